@@ -1,0 +1,54 @@
+# Cleave — the verbs. `make run` and `make test` take a fresh machine to a
+# running cluster and a passing suite; each installs what it needs.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= .cache/demo-model
+PORT ?= 8000
+
+.PHONY: install run test test-gpu lint protos protos-check bench demo-model clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; install Python 3.11"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch 2.13.0 lies on this machine's disk; pinning it avoids a CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,nixl]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null || (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) || echo "redis-server unavailable; Redis tests will skip"
+
+$(MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/cleave demo-model $(MODEL)
+
+demo-model: $(MODEL)/config.json
+
+run: $(STAMP) $(MODEL)/config.json
+	$(VENV)/bin/cleave serve --model $(MODEL) --port $(PORT)
+
+test: $(STAMP) protos-check
+	$(PY) -m pytest -q -x tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests/gpu
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check shared services tests
+	$(VENV)/bin/ruff format --check shared services tests
+
+protos: $(STAMP)
+	$(PY) -m shared.tools.gen_protos
+
+protos-check: $(STAMP)
+	$(PY) -m shared.tools.gen_protos --check
+
+bench: $(STAMP) $(MODEL)/config.json
+	$(VENV)/bin/cleave bench throughput --model $(MODEL) --backend cleave
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache
