@@ -1,0 +1,81 @@
+"""Torch reference attention over the paged KV cache.
+
+This is the CPU backend and the oracle every faster kernel is tested against.
+Layout and causality are described in ``shared.kernels.metadata``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.kernels.metadata import AttentionMetadata
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store each new token's K/V at its slot (block_id * block_size + offset)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    block_ids = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    k_cache[block_ids, offsets] = key.to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, kv_heads, head_dim]
+    return blocks.flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its whole paged context."""
+    num_heads = query.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        q = query[start : start + q_len].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        k = _gather_context(k_cache, meta.block_tables[i], seq_len).to(query.dtype)
+        v = _gather_context(v_cache, meta.block_tables[i], seq_len).to(query.dtype)
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [num_heads, seq_len, head_dim]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        if q_len == 1:
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        else:
+            # New token j sits at absolute position seq_len - q_len + j.
+            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
+            mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+class TorchAttentionBackend:
+    """Attention backend interface: ``write_kv`` then ``forward`` per layer."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(query, k_cache, v_cache, meta, scale)
