@@ -1,0 +1,228 @@
+"""gRPC clients of the workers and the pools the router chooses from.
+
+A ``WorkerPool`` holds the clients of one role (prefill or decode), polls their
+``Health`` and ``LoadStats`` in the background, and picks a worker per call:
+``least_loaded`` ranks by the router's own calls in flight plus the worker's
+reported queue and KV usage, rotating among equals; ``round_robin`` rotates over
+the healthy workers. A worker that refuses a connection is marked unhealthy
+until its next successful poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from services.router.metrics import RouterMetrics
+from shared.genproto.cleave.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger("cleave.router.workers")
+
+PREFILL = "prefill"
+DECODE = "decode"
+HEALTH_TIMEOUT_S = 2.0
+ABORT_TIMEOUT_S = 5.0
+# How soon an on-demand refresh may repeat when no worker is healthy.
+MIN_REFRESH_GAP_S = 0.25
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+class NoWorkerAvailable(Exception):
+    """No healthy, reachable worker of a role; the HTTP edge answers 503."""
+
+
+def child_traceparent(incoming: str | None) -> str:
+    """W3C ``traceparent`` for the router's span: same trace as ``incoming`` if valid, else a new trace."""
+    match = _TRACEPARENT.match((incoming or "").strip().lower())
+    if match and match.group(1) != "ff" and set(match.group(2)) != {"0"} and set(match.group(3)) != {"0"}:
+        return f"00-{match.group(2)}-{os.urandom(8).hex()}-{match.group(4)}"
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"
+
+
+def call_metadata(traceparent: str, request_id: str) -> tuple[tuple[str, str], ...]:
+    return (("traceparent", traceparent), ("x-request-id", request_id))
+
+
+class WorkerClient:
+    """One worker's channel, stub and last known health and load."""
+
+    def __init__(self, address: str, role: str) -> None:
+        self.address = address
+        self.role = role
+        self.channel = grpc.aio.insecure_channel(address)
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == PREFILL else worker_pb2_grpc.DecodeWorkerStub
+        self.stub = stub_cls(self.channel)
+        self.healthy = False
+        self.load: worker_pb2.LoadStatsResponse | None = None
+        self.max_model_len = 0
+        self.worker_id = ""
+        self.num_in_flight = 0  # calls this router has open on the worker
+
+    async def poll(self) -> bool:
+        """Refresh health and load; returns the new health."""
+        try:
+            health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
+            load = await self.stub.LoadStats(worker_pb2.LoadStatsRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if self.healthy:
+                logger.warning("worker_unhealthy role=%s address=%s code=%s", self.role, self.address, e.code().name)
+            self.healthy = False
+            return False
+        ok = health.status == "ok" and health.role in ("", self.role)
+        if not ok and self.healthy:
+            logger.warning(
+                "worker_unhealthy role=%s address=%s status=%s reported_role=%s",
+                self.role,
+                self.address,
+                health.status,
+                health.role,
+            )
+        elif ok and not self.healthy:
+            logger.info("worker_healthy role=%s address=%s worker_id=%s", self.role, self.address, health.worker_id)
+        self.healthy = ok
+        self.load = load
+        self.max_model_len = health.max_model_len
+        self.worker_id = health.worker_id
+        return ok
+
+    def mark_unreachable(self) -> None:
+        if self.healthy:
+            logger.warning("worker_unreachable role=%s address=%s", self.role, self.address)
+        self.healthy = False
+
+    def load_score(self) -> tuple[int, float]:
+        waiting = self.load.num_waiting if self.load else 0
+        usage = self.load.kv_cache_usage if self.load else 0.0
+        return (self.num_in_flight + waiting, usage)
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        """Count a call as in flight on this worker for load balancing."""
+        self.num_in_flight += 1
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1
+
+
+class WorkerPool:
+    """The workers of one role."""
+
+    def __init__(self, role: str, addresses: tuple[str, ...], policy: str, metrics: RouterMetrics) -> None:
+        self.role = role
+        self.policy = policy
+        self.metrics = metrics
+        self.workers = [WorkerClient(addr, role) for addr in addresses]
+        self._cursor = 0
+        self._refresh_lock = asyncio.Lock()
+        self._last_refresh = 0.0
+        self._background: set[asyncio.Task] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.workers)
+
+    def healthy_workers(self) -> list[WorkerClient]:
+        return [w for w in self.workers if w.healthy]
+
+    async def refresh(self) -> None:
+        """Poll every worker once, concurrently."""
+        async with self._refresh_lock:
+            await asyncio.gather(*(w.poll() for w in self.workers))
+            self._last_refresh = time.monotonic()
+            for w in self.workers:
+                self.metrics.worker_healthy.labels(self.role, w.address).set(1 if w.healthy else 0)
+
+    async def health_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # a poll bug must not stop polling
+                logger.exception("health_poll_failed role=%s", self.role)
+
+    async def pick(self, exclude: set[str] | None = None) -> WorkerClient:
+        """A healthy worker not in ``exclude`` (addresses); polls once on demand if none is known healthy."""
+        exclude = exclude or set()
+        candidates = [w for w in self.healthy_workers() if w.address not in exclude]
+        if not candidates and self.workers and time.monotonic() - self._last_refresh > MIN_REFRESH_GAP_S:
+            await self.refresh()
+            candidates = [w for w in self.healthy_workers() if w.address not in exclude]
+        if not candidates:
+            if not self.workers:
+                raise NoWorkerAvailable(f"no {self.role} workers are configured")
+            raise NoWorkerAvailable(
+                f"no {self.role} worker is available ({len(self.workers)} configured, none healthy and reachable); "
+                "retry later"
+            )
+        start = self._cursor % len(candidates)
+        self._cursor += 1
+        rotated = candidates[start:] + candidates[:start]
+        if self.policy == "round_robin":
+            return rotated[0]
+        return min(rotated, key=WorkerClient.load_score)
+
+    def spawn(self, coro: Awaitable[object], what: str) -> None:
+        """Run a best-effort call (abort, release) detached from the request's cancellation."""
+
+        async def runner() -> None:
+            try:
+                await coro
+            except grpc.aio.AioRpcError as e:
+                logger.debug("%s_failed role=%s code=%s", what, self.role, e.code().name)
+
+        task = asyncio.get_running_loop().create_task(runner())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def abort(self, worker: WorkerClient, request_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        req = worker_pb2.AbortRequest(request_id=request_id)
+        self.spawn(worker.stub.Abort(req, metadata=metadata, timeout=ABORT_TIMEOUT_S), "abort")
+
+    def release_kv(self, worker: WorkerClient, request_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        req = worker_pb2.ReleaseKVRequest(request_id=request_id)
+        self.spawn(worker.stub.ReleaseKV(req, metadata=metadata, timeout=ABORT_TIMEOUT_S), "release_kv")
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=ABORT_TIMEOUT_S)
+        await asyncio.gather(*(w.channel.close() for w in self.workers))
+
+
+class WorkerPools:
+    """The prefill and decode pools plus their health polling tasks."""
+
+    def __init__(
+        self,
+        prefill_addrs: tuple[str, ...],
+        decode_addrs: tuple[str, ...],
+        policy: str,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.prefill = WorkerPool(PREFILL, prefill_addrs, policy, metrics)
+        self.decode = WorkerPool(DECODE, decode_addrs, policy, metrics)
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, interval_s: float) -> None:
+        await asyncio.gather(self.prefill.refresh(), self.decode.refresh())
+        for pool in (self.prefill, self.decode):
+            if pool:
+                self._tasks.append(asyncio.create_task(pool.health_loop(interval_s)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(self.prefill.close(), self.decode.close())
+
+    def smallest_max_model_len(self) -> int:
+        """Smallest context length a healthy worker reported (0 if none reported one)."""
+        lengths = [w.max_model_len for w in self.prefill.workers + self.decode.workers if w.healthy and w.max_model_len]
+        return min(lengths, default=0)

@@ -1,0 +1,41 @@
+"""Engine configuration: one frozen dataclass, every field documented once.
+
+The CLI and the services build it from flags; every flag can also be set by a
+``CLEAVE_<FLAG>`` environment variable (see ``shared.cli``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # Hugging Face checkpoint directory
+    dtype: str = "auto"  # "auto" (the checkpoint's, float32 on CPU for float16), "float32", "bfloat16"
+    device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int = 2 * GiB  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + KV cache on CUDA
+    num_blocks: int | None = None  # overrides the memory-derived block count (tests)
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto", "torch", "triton"
+    enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
+    long_prefill_token_threshold: int = 0  # cap one prefill chunk (0: the whole budget)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,234 @@
+"""The incremental engine API the services drive: ``add_request``, ``step``, ``abort``.
+
+Token ids in, token ids out; text (detokenization, stop strings) is the
+caller's business, so the same core serves the offline API and the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.config import EngineConfig
+from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.model_runner import ModelRunner, kv_block_bytes, torch_dtype
+from shared.engine.request import Request, TokenSample
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
+from shared.engine.scheduler import Scheduler, SchedulerConfig
+from shared.kernels import get_attention_backend
+from shared.models.loader import load_model
+
+logger = logging.getLogger("cleave.engine")
+
+
+@dataclass
+class RequestOutputDelta:
+    """New tokens of one request from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_samples: list[TokenSample] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    parent_request_id: str | None = None  # for the children of an n>1 request
+    sample_index: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_generation_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if checkpoint_dtype in ("bfloat16", "float16") and device.type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if checkpoint_dtype == "bfloat16" else "float32"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        t0 = time.perf_counter()
+        from shared.models.config import load_model_config
+
+        checkpoint_dtype = load_model_config(config.model).torch_dtype
+        self.dtype_name = _resolve_dtype(config.dtype, checkpoint_dtype, self.device)
+        dtype = torch_dtype(self.dtype_name)
+        self.model, self.model_config = load_model(config.model, self.dtype_name, self.device)
+        self.num_blocks = self._num_blocks(dtype)
+        model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(model_len, self.num_blocks * config.block_size)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.model_config,
+            self.num_blocks,
+            config.block_size,
+            dtype,
+            self.device,
+            get_attention_backend(self.device, config.attention_backend),
+            tuple(self.model_config.eos_token_ids),
+        )
+        self.num_prompt_tokens_computed = 0
+        self.num_generation_tokens = 0
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, dtype)
+        logger.info(
+            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
+            "max_tokens_in_cache=%d max_model_len=%d load_seconds=%.2f",
+            config.model, self.device, self.dtype_name, self.num_blocks, config.block_size,
+            self.num_blocks * block_bytes, self.num_blocks * config.block_size, self.max_model_len,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        block_bytes = kv_block_bytes(self.model_config, self.config.block_size, dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used - (1 << 30)  # 1 GiB for activations
+        else:
+            budget = self.config.kv_cache_memory
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
+                "raise --kv-cache-memory (CPU) or --gpu-memory-utilization (CUDA)"
+            )
+        return int(num_blocks)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but this model's maximum context length is "
+                f"{self.max_model_len} tokens (including at least one generated token); shorten the prompt"
+            )
+        params.validate()
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = self._new_request(request_id, prompt_token_ids, params)
+        request.pending_children = [
+            self._new_request(f"{request_id}/{i}", prompt_token_ids, params, parent=request_id, index=i)
+            for i in range(1, params.n)
+        ]
+        return request
+
+    def _new_request(self, request_id, prompt_token_ids, params, parent=None, index=0) -> Request:
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            seed_offset=index,
+            parent_request_id=parent,
+        )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; raises InvalidRequestError (engine state unchanged) on bad input."""
+        request = self.make_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return False
+        self.runner.release(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutputDelta]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner._copy_blocks(sched.block_copies)
+            return []
+        samples = self.runner.execute(sched)
+        deltas: list[RequestOutputDelta] = []
+        for seq in sched.seqs:
+            if seq.start_pos < len(seq.prompt_token_ids):
+                self.num_prompt_tokens_computed += min(len(seq.token_ids), len(seq.prompt_token_ids) - seq.start_pos)
+        for request, sample in self.scheduler.update_from_output(sched, samples):
+            self.num_generation_tokens += 1
+            deltas.append(self._delta(request, sample))
+        return deltas
+
+    def _delta(self, request: Request, sample: TokenSample) -> RequestOutputDelta:
+        finished = request.is_finished
+        if finished:
+            self.runner.release(request.request_id)
+        return RequestOutputDelta(
+            request_id=request.request_id,
+            new_token_ids=[sample.token_id],
+            new_samples=[sample],
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            parent_request_id=request.parent_request_id,
+            sample_index=request.seed_offset,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks,
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=pool.cache_queries,
+            prefix_cache_hits=pool.cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+        )

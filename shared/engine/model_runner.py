@@ -1,0 +1,150 @@
+"""Turns one ``SchedulerOutput`` into a forward pass and sampled tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.request import TokenSample
+from shared.engine.sampler import Sampler, SamplingBatch, make_generator
+from shared.engine.scheduler import SchedulerOutput
+from shared.kernels.metadata import AttentionMetadata
+from shared.models.config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers (K and V)."""
+    return block_size * config.kv_bytes_per_token_per_elem * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        attn_backend,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.model = model
+        self.config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.attn_backend = attn_backend
+        self.eos_token_ids = eos_token_ids
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            num_blocks,
+            model_config.num_layers,
+            2,
+            block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if request_id not in self._generators:
+            self._generators[request_id] = make_generator(seed, self.device)
+        return self._generators[request_id]
+
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        query_lens = [len(s.token_ids) for s in sched.seqs]
+        seq_lens = [s.start_pos + n for s, n in zip(sched.seqs, query_lens, strict=True)]
+        max_blocks = max(len(s.block_ids) for s in sched.seqs)
+        block_tables = torch.zeros(len(sched.seqs), max_blocks, dtype=torch.int32)  # [S, max_blocks]
+        for i, s in enumerate(sched.seqs):
+            block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        input_ids = torch.tensor([t for s in sched.seqs for t in s.token_ids], dtype=torch.int64)  # [T]
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+        starts = torch.tensor([s.start_pos for s in sched.seqs], dtype=torch.int64)
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(q_lens, 0)
+        positions = starts[seq_index] + torch.arange(len(input_ids)) - cu[:-1][seq_index]  # [T]
+        block_of_token = block_tables[seq_index, positions // self.block_size].long()  # [T]
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size  # [T]
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=cu.to(torch.int32).to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=self.block_size,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return input_ids.to(device), positions.to(device), meta
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[dst] = self.kv_cache[src]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[str, list[TokenSample]]:
+        """Run the step; returns, per sampling sequence, one sample per request in ``sample_request_ids``."""
+        self._copy_blocks(sched.block_copies)
+        if sched.is_empty:
+            return {}
+        input_ids, positions, meta = self._prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
+        rows, params, prompts, outputs, generators = [], [], [], [], []
+        end = 0
+        for seq in sched.seqs:
+            end += len(seq.token_ids)
+            for j, sample_id in enumerate(seq.sample_request_ids):
+                rows.append(end - 1)
+                params.append(seq.sampling_params)
+                prompts.append(seq.prompt_token_ids)
+                outputs.append(seq.output_token_ids)
+                seed = seq.sampling_params.seed
+                generators.append(self._generator(sample_id, None if seed is None else seed + seq.seed_offset + j))
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [B, vocab]
+        batch = SamplingBatch.build(
+            params, prompts, outputs, generators, self.eos_token_ids, logits.shape[-1], self.device
+        )
+        out = self.sampler(logits, batch)
+        return self._collect(sched, out, batch)
+
+    def _collect(self, sched: SchedulerOutput, out, batch: SamplingBatch) -> dict[str, list[TokenSample]]:
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        results: dict[str, list[TokenSample]] = {}
+        row = 0
+        for seq in sched.seqs:
+            if not seq.sample_request_ids:
+                continue
+            samples = []
+            k = seq.sampling_params.logprobs
+            for _ in seq.sample_request_ids:
+                top = None
+                if k is not None and top_ids is not None:
+                    top = list(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                samples.append(TokenSample(token_ids[row], logprobs[row], top))
+                row += 1
+            results[seq.request_id] = samples
+        return results

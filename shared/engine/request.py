@@ -1,0 +1,112 @@
+"""A request's state inside the engine (torch-free).
+
+Only two numbers drive scheduling: ``num_computed_tokens`` (KV already in
+the cache) and ``num_tokens`` (prompt + generated). Prefill, chunked prefill,
+prefix-cache hits, remote KV and decode all follow from them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.engine.prefix_hash import ROOT_HASH, block_hashes
+from shared.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenSample:
+    """One sampled token with its logprob and, if asked for, the top alternatives."""
+
+    token_id: int
+    logprob: float = 0.0
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 30
+    arrival_time: float = field(default_factory=time.monotonic)
+    seed_offset: int = 0  # child i of an n>1 request samples with seed + i
+    parent_request_id: str | None = None  # set on the children of an n>1 request
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Block hashes of the full blocks of token_ids, extended lazily.
+    _block_hashes: list[bytes] = field(default_factory=list)
+    # Children created when an n>1 request finishes its prefill.
+    pending_children: list[Request] = field(default_factory=list)
+    # Prefill role: keep the blocks after finishing, until released.
+    hold_blocks_on_finish: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        limit = self.max_model_len - self.num_prompt_tokens
+        if self.sampling_params.max_tokens is None:
+            return limit
+        return min(self.sampling_params.max_tokens, limit)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """Chained hashes of every full block of ``token_ids`` (cached incrementally)."""
+        done = len(self._block_hashes)
+        if (done + 1) * block_size <= self.num_tokens:
+            parent = self._block_hashes[-1] if done else ROOT_HASH
+            self._block_hashes.extend(block_hashes(self.token_ids, block_size, parent, start_block=done))
+        return self._block_hashes
+
+    def check_stop(self, token_id: int) -> RequestStatus | None:
+        """Finish status after ``token_id`` was appended, or None to keep going."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,270 @@
+"""Vectorized token sampler.
+
+One `SamplingBatch` is built per step from the rows that sample in it; `Sampler`
+turns the step's logits into token ids and logprobs with batched tensor ops.
+
+Order of operations on each row's logits:
+1. min_tokens: stop/EOS logits set to -inf while the row is below `min_tokens`.
+2. penalties on the raw logits: repetition (HF), then frequency and presence (OpenAI).
+3. logprobs: `log_softmax` of the logits after steps 1-2, before temperature and
+   filtering, so they describe the model's (penalized) distribution, not the
+   truncated one the token was drawn from.
+4. greedy rows (temperature < 1e-5): argmax. Other rows: divide by temperature,
+   top-k, top-p, min-p, then sample with the exponential race
+   `argmax(probs / Exponential(1))`, which draws from `probs` exactly.
+
+Rows with a seed draw their noise from their own `torch.Generator`, so their
+tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+from torch import Tensor
+
+from shared.engine.sampling_params import GREEDY_EPSILON, SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator seeded for one request, or None for an unseeded one."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """How often each token occurs in each row: [B, V] float32."""
+    num_rows = len(token_ids)
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64, device=device)  # [B]
+    flat_ids = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64, device=device)  # [T]
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)  # [T]
+    counts = torch.bincount(rows * vocab_size + flat_ids, minlength=num_rows * vocab_size)  # [B * V]
+    return counts.view(num_rows, vocab_size).to(torch.float32)  # [B, V]
+
+
+def _min_tokens_targets(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_ids: Sequence[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[Tensor, Tensor] | None:
+    """(row, token id) pairs to suppress for rows still below min_tokens, or None."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(output) >= p.min_tokens:
+            continue
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        valid_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+        rows += [row] * len(valid_ids)
+        token_ids += valid_ids
+    if not rows:
+        return None
+    rows_tensor = torch.tensor(rows, dtype=torch.int64, device=device)  # [N]
+    return rows_tensor, torch.tensor(token_ids, dtype=torch.int64, device=device)  # [N], [N]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling tensors for the B rows that sample this step."""
+
+    temperature: Tensor  # [B] float32, raw request values
+    is_greedy: Tensor  # [B] bool
+    top_p: Tensor  # [B] float32
+    top_k: Tensor  # [B] int64, 0 = off
+    min_p: Tensor  # [B] float32
+    presence_penalty: Tensor  # [B] float32
+    frequency_penalty: Tensor  # [B] float32
+    repetition_penalty: Tensor  # [B] float32
+    all_greedy: bool
+    any_greedy: bool
+    any_penalties: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    generators: list[torch.Generator | None]  # per row; None draws from the global RNG
+    seeded_rows: list[int]  # rows that sample (not greedy) with their own generator
+    output_token_counts: Tensor | None  # [B, V] float32, set when any frequency/presence penalty
+    seen_token_mask: Tensor | None  # [B, V] bool, prompt or output; set when any repetition penalty
+    min_tokens_rows: Tensor | None  # [N] int64, with min_tokens_token_ids: logits to set to -inf
+    min_tokens_token_ids: Tensor | None  # [N] int64
+    max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None if no row asks
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
+
+        def column(name: str, dtype: torch.dtype) -> Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)  # [B]
+
+        temperature = column("temperature", torch.float32)
+        is_greedy_list = [p.temperature < GREEDY_EPSILON for p in params]
+        any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        any_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+
+        output_counts = None
+        if any_freq_pres or any_repetition:
+            output_counts = _token_counts(output_token_ids, vocab_size, device)  # [B, V]
+        seen_mask = None
+        if any_repetition:
+            assert output_counts is not None
+            seen_mask = (_token_counts(prompt_token_ids, vocab_size, device) > 0) | (output_counts > 0)  # [B, V]
+        min_tokens = _min_tokens_targets(params, output_token_ids, eos_token_ids, vocab_size, device)
+        asked_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+
+        return cls(
+            temperature=temperature,
+            is_greedy=torch.tensor(is_greedy_list, dtype=torch.bool, device=device),
+            top_p=column("top_p", torch.float32),
+            top_k=column("top_k", torch.int64),
+            min_p=column("min_p", torch.float32),
+            presence_penalty=column("presence_penalty", torch.float32),
+            frequency_penalty=column("frequency_penalty", torch.float32),
+            repetition_penalty=column("repetition_penalty", torch.float32),
+            all_greedy=all(is_greedy_list),
+            any_greedy=any(is_greedy_list),
+            any_penalties=any_repetition or any_freq_pres,
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
+            generators=list(generators),
+            seeded_rows=[row for row, g in enumerate(generators) if g is not None and not is_greedy_list[row]],
+            output_token_counts=output_counts if any_freq_pres else None,
+            seen_token_mask=seen_mask,
+            min_tokens_rows=min_tokens[0] if min_tokens else None,
+            min_tokens_token_ids=min_tokens[1] if min_tokens else None,
+            max_num_logprobs=max(asked_logprobs) if asked_logprobs else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32, logprob of the sampled token
+    top_token_ids: Tensor | None  # [B, K] int64, K = max_num_logprobs; a row asking k < K reads [:k]
+    top_logprobs: Tensor | None  # [B, K] float32
+
+
+def apply_repetition_penalty(logits: Tensor, seen_mask: Tensor, penalty: Tensor) -> Tensor:
+    """HF semantics on seen tokens: positive logits divided by the penalty, others multiplied."""
+    penalty = penalty.unsqueeze(1)  # [B, 1]
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
+    return torch.where(seen_mask, penalized, logits)
+
+
+def apply_frequency_presence_penalties(
+    logits: Tensor, output_counts: Tensor, frequency: Tensor, presence: Tensor
+) -> Tensor:
+    """OpenAI semantics over output tokens: minus frequency * count, minus presence * (count > 0)."""
+    frequency_term = frequency.unsqueeze(1) * output_counts  # [B, V]
+    presence_term = presence.unsqueeze(1) * (output_counts > 0)  # [B, V]
+    return logits - frequency_term - presence_term
+
+
+def apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
+    """Keep each row's top_k largest logits (ties with the k-th are kept); top_k 0 leaves a row alone."""
+    k = top_k.clamp(max=logits.shape[-1])  # [B]
+    max_k = int(k.max())
+    if max_k == 0:
+        return logits
+    top_values = logits.topk(max_k, dim=-1).values  # [B, max_k], descending
+    kth_value = top_values.gather(1, (k - 1).clamp(min=0).unsqueeze(1))  # [B, 1]
+    remove = (logits < kth_value) & (k > 0).unsqueeze(1)  # [B, V]
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p (at least one)."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [B, V]
+    sorted_probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V], mass of higher-ranked tokens
+    # top_p == 1 rows keep everything: rounding in the cumsum must not drop their tail.
+    remove_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)  # [B, V]
+    remove = torch.zeros_like(remove_sorted).scatter_(1, sorted_ids, remove_sorted)  # [B, V]
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p times the row's largest probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | None], seeded_rows: list[int]) -> Tensor:
+    """argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i]: [B] int64."""
+    noise = torch.empty_like(probs).exponential_()  # [B, V]
+    for row in seeded_rows:
+        noise[row].exponential_(generator=generators[row])
+    # A zero draw would turn a removed token's 0 / 0 into NaN, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """min_tokens suppression, then penalties: [B, V], the distribution that logprobs report."""
+    if batch.min_tokens_rows is not None:
+        assert batch.min_tokens_token_ids is not None
+        suppressed = (batch.min_tokens_rows, batch.min_tokens_token_ids)
+        logits = logits.index_put(suppressed, torch.tensor(_NEG_INF, device=logits.device))
+    if batch.seen_token_mask is not None:
+        logits = apply_repetition_penalty(logits, batch.seen_token_mask, batch.repetition_penalty)
+    if batch.output_token_counts is not None:
+        logits = apply_frequency_presence_penalties(
+            logits, batch.output_token_counts, batch.frequency_penalty, batch.presence_penalty
+        )
+    return logits
+
+
+class Sampler:
+    """Turns one step's logits into tokens and logprobs; stateless."""
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = apply_min_tokens_and_penalties(logits, batch)  # [B, V]
+        token_ids = self._sample(logits, batch)  # [B]
+        log_normalizer = logits.logsumexp(dim=-1, keepdim=True)  # [B, 1]
+        logprobs = logits.gather(1, token_ids.unsqueeze(1)) - log_normalizer  # [B, 1]
+        top_token_ids = top_logprobs = None
+        if batch.max_num_logprobs is not None:
+            num_top = min(batch.max_num_logprobs, logits.shape[-1])
+            top_values, top_token_ids = logits.topk(num_top, dim=-1)  # [B, K]
+            top_logprobs = top_values - log_normalizer
+        return SamplerOutput(token_ids, logprobs.squeeze(1), top_token_ids, top_logprobs)
+
+    @staticmethod
+    def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """Greedy rows take the argmax; the others sample from the filtered, tempered distribution."""
+        greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None  # [B]
+        if batch.all_greedy:
+            assert greedy_ids is not None
+            return greedy_ids
+        temperature = torch.where(batch.is_greedy, 1.0, batch.temperature)  # [B], safe divisor
+        scaled = logits / temperature.unsqueeze(1)  # [B, V]
+        if batch.any_top_k:
+            scaled = apply_top_k(scaled, batch.top_k)
+        if batch.any_top_p:
+            scaled = apply_top_p(scaled, batch.top_p)
+        if batch.any_min_p:
+            scaled = apply_min_p(scaled, batch.min_p)
+        sampled_ids = sample_exponential_race(scaled.softmax(dim=-1), batch.generators, batch.seeded_rows)
+        if greedy_ids is None:
+            return sampled_ids
+        return torch.where(batch.is_greedy, greedy_ids, sampled_ids)
