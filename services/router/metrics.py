@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets in seconds, spanning sub-millisecond ITL to multi-minute generations.
@@ -74,3 +76,51 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one HTTP request (all its choices); observes on ``finish``."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._first_at: dict[int, float] = {}
+        self._last_at: dict[int, float] = {}
+        self._num_tokens: dict[int, int] = {}
+
+    def on_tokens(self, index: int, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.observe(now - self.start)
+        last = self._last_at.get(index)
+        if last is None:
+            self._first_at[index] = now
+        else:
+            # Tokens arriving in one message split the gap since the previous message evenly.
+            gap = (now - last) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self._last_at[index] = now
+        self._num_tokens[index] = self._num_tokens.get(index, 0) + num_tokens
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def finish(self, num_prompt_tokens: int, num_generated_tokens: int) -> float:
+        """Observe e2e latency, TPOT and token counters; returns the e2e latency."""
+        e2e = self.elapsed_s()
+        self.metrics.e2e.observe(e2e)
+        for index, count in self._num_tokens.items():
+            if count > 1:
+                self.metrics.tpot.observe((self._last_at[index] - self._first_at[index]) / (count - 1))
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.generation_tokens.inc(num_generated_tokens)
+        return e2e

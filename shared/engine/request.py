@@ -31,10 +31,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Prefill role: the first token is sampled and the blocks stay held for a decode worker to pull.
+    FINISHED_PREFILLED = "prefilled"
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 @dataclass(eq=False)
@@ -57,8 +59,8 @@ class Request:
     _block_hashes: list[bytes] = field(default_factory=list)
     # Children created when an n>1 request finishes its prefill.
     pending_children: list[Request] = field(default_factory=list)
-    # Prefill role: keep the blocks after finishing, until released.
-    hold_blocks_on_finish: bool = False
+    # Prefill role: finish after the first token, keeping the blocks until released.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -109,4 +111,4 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        return None
+        return RequestStatus.FINISHED_PREFILLED if self.prefill_only else None

@@ -207,7 +207,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.requests.pop(request.request_id, None)
-        if not request.hold_blocks_on_finish or status == RequestStatus.FINISHED_ABORTED:
+        if status != RequestStatus.FINISHED_PREFILLED:
             self.kv.free(request.request_id)
         for child in request.pending_children:
             child.status = status

@@ -240,11 +240,13 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int]
     return head_dim, num_heads // num_kv_heads
 
 
-def _dot_config(dtype: torch.dtype) -> dict[str, bool | str]:
-    """fp32 inputs get exact fp32 dots, not tf32. The interpreter's dot multiplies
-    bf16 as raw integers, so under it every dot runs on fp32 operands."""
+def _dot_config(dtype: torch.dtype, head_dim: int) -> dict[str, bool | str | int]:
+    """Dot precision and warps. fp32 inputs get exact fp32 dots, not tf32, and more
+    warps so the tiles fit in registers. The interpreter's dot multiplies bf16 as raw
+    integers, so under it every dot runs on fp32 operands."""
     exact = dtype == torch.float32 or INTERPRETED
-    return {"DOT_FP32": exact, "DOT_PRECISION": "ieee" if exact else "tf32"}
+    num_warps = 8 if head_dim >= 128 or dtype == torch.float32 else 4
+    return {"DOT_FP32": exact, "DOT_PRECISION": "ieee" if exact else "tf32", "num_warps": num_warps}
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -306,24 +308,13 @@ def paged_decode(
     strides = _strides(query, out) + _cache_strides(k_cache, v_cache) + [meta.block_tables.stride(0)]
     consts = {"GROUP": group, "GROUP_P2": max(16, triton.next_power_of_2(group)), "HEAD_DIM": head_dim}
     consts |= {"BLOCK_N": block_n, "PARTITION_SIZE": partition_size, "USE_SPLITS": use_splits}
-    grid = (num_seqs, num_kv_heads, num_splits)
-    _decode_kernel[grid](
-        *tensors,
-        scale * _LOG2E,
-        *strides,
-        k_cache.shape[1],
-        num_heads,
-        num_splits,
-        **consts,
-        **_dot_config(query.dtype),
-    )
+    consts |= _dot_config(query.dtype, head_dim)
+    ints = (k_cache.shape[1], num_heads, num_splits)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](*tensors, scale * _LOG2E, *strides, *ints, **consts)
     if use_splits:
         tensors = (out, part_acc, part_max, part_sum, meta.seq_lens)
-        consts = {
-            "HEAD_DIM": head_dim,
-            "PARTITION_SIZE": partition_size,
-            "SPLITS_P2": triton.next_power_of_2(num_splits),
-        }
+        splits_p2 = triton.next_power_of_2(num_splits)
+        consts = {"HEAD_DIM": head_dim, "PARTITION_SIZE": partition_size, "SPLITS_P2": splits_p2}
         _decode_reduce_kernel[(num_seqs, num_heads)](*tensors, *out.stride(), num_heads, num_splits, **consts)
     return out
 
@@ -335,13 +326,15 @@ def paged_prefill(
     meta: AttentionMetadata,
     scale: float,
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of every sequence's new tokens over cached prefix + themselves (any q_len)."""
     head_dim, group = _check_shapes(query, k_cache)
     group_p2 = triton.next_power_of_2(group)
     if block_m is None:
         block_m = max(16, 64 // group_p2)  # aim at 64 rows per program
+    if block_n is None:
+        block_n = 32 if query.dtype == torch.float32 else 64  # fp32 tiles spill registers at 64
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if meta.num_seqs == 0:
         return out
@@ -349,7 +342,9 @@ def paged_prefill(
     strides = _strides(query, out) + _cache_strides(k_cache, v_cache) + [meta.block_tables.stride(0)]
     consts = {"GROUP": group, "GROUP_P2": group_p2, "HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n}
     grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_m), k_cache.shape[2])
-    _prefill_kernel[grid](*tensors, scale * _LOG2E, *strides, k_cache.shape[1], **consts, **_dot_config(query.dtype))
+    _prefill_kernel[grid](
+        *tensors, scale * _LOG2E, *strides, k_cache.shape[1], **consts, **_dot_config(query.dtype, head_dim)
+    )
     return out
 
 

@@ -44,6 +44,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Attention window the checkpoint was trained with (None: full attention). The
+    # model attends over the whole context, so serving caps the context here.
+    sliding_window: int | None = None
 
     @property
     def kv_bytes_per_token_per_elem(self) -> int:
@@ -121,6 +124,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos |= set(_eos_ids(_read_json(gen_path).get("eos_token_id")))
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+    # Qwen configs carry a window that is only used when use_sliding_window is set.
+    uses_window = arch == "MistralForCausalLM" or bool(cfg.get("use_sliding_window", False))
+    sliding_window = cfg.get("sliding_window") if uses_window else None
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -140,4 +146,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(sorted(eos)),
         torch_dtype=str(dtype),
+        sliding_window=int(sliding_window) if sliding_window else None,
     )

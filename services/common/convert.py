@@ -1,0 +1,48 @@
+"""Conversions between the wire (protos) and engine types, in one place."""
+
+from __future__ import annotations
+
+from shared.engine.request import TokenSample
+from shared.engine.sampling_params import SamplingParams
+from shared.genproto.cleave.v1 import worker_pb2 as pb
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+    )  # fmt: skip
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError on invalid values."""
+    return SamplingParams(
+        n=msg.n or 1, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )  # fmt: skip
+
+
+def token_to_proto(sample: TokenSample) -> pb.TokenOutput:
+    return pb.TokenOutput(
+        token_id=sample.token_id,
+        logprob=sample.logprob,
+        top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs or []],
+    )
+
+
+def token_from_proto(msg: pb.TokenOutput) -> TokenSample:
+    return TokenSample(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top_logprobs] or None)

@@ -1,0 +1,3 @@
+from services.decode_worker.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""Decode worker: continues requests whose KV was prefilled elsewhere (pulled
+into local blocks over the KV connector), or serves them whole (aggregated)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.common.convert import sampling_from_proto, token_to_proto
+from services.common.worker import WorkerBase, build_parser
+from services.common.worker import main as worker_main
+from services.kv_transfer.connector import KVTransferError
+from services.kv_transfer.handshake import PROTOCOL_VERSION, KVCompatibilityError
+from shared.cli import env_default
+from shared.engine.request import Request
+from shared.engine.sampling_params import InvalidRequestError
+from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("cleave.decode")
+
+
+def build_decode_parser() -> argparse.ArgumentParser:
+    parser = build_parser("decode")
+    parser.add_argument("--kv-pull-failure-policy", default=env_default("--kv-pull-failure-policy", "recompute"),
+                        choices=["recompute", "fail"],
+                        help="when a KV pull fails or its lease expired: recompute the prefill here, or fail")  # fmt: skip
+    return parser
+
+
+class PullFailed(Exception):
+    pass
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, addr: str) -> pb_grpc.PrefillWorkerStub:
+        if addr not in self._channels:
+            self._channels[addr] = grpc.aio.insecure_channel(addr)
+        return pb_grpc.PrefillWorkerStub(self._channels[addr])
+
+    async def _peer(self, addr: str) -> str:
+        if addr not in self._peers:
+            reply = await self._stub(addr).GetKVMetadata(
+                pb.KVMetadataRequest(protocol_version=PROTOCOL_VERSION, compat_hash=self.peer_info.compat_hash),
+                timeout=10,
+            )
+            loop = asyncio.get_running_loop()
+            self._peers[addr] = await loop.run_in_executor(None, self.connector.add_peer, reply.metadata)
+        return self._peers[addr]
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        core = self.engine.core
+        try:
+            params = sampling_from_proto(request.sampling)
+            req = await self.engine.run(
+                lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
+            )
+        except InvalidRequestError as e:
+            await self.invalid(context, e)
+        admit, transfer = None, {}
+        if request.HasField("kv_handle"):
+            admit, transfer = await self._remote_prefill(req, request, context)
+        first = True
+        async for delta in self.engine.stream(req, admit):
+            msg = pb.GenerateResponse(
+                tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
+                num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+            )  # fmt: skip
+            if first:
+                first = False
+                for key, value in transfer.items():
+                    setattr(msg, key, value)
+            yield msg
+
+    async def _remote_prefill(self, req: Request, request: pb.GenerateRequest, context):
+        """Pull the prompt's KV; returns how to admit the request and the transfer figures."""
+        handle = request.kv_handle
+        req.append_output_token(request.first_token.token_id)
+        if handle.protocol_version != PROTOCOL_VERSION or handle.compat_hash != self.peer_info.compat_hash:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV handle from worker {handle.worker_id} is incompatible: protocol {handle.protocol_version} hash "
+                f"{handle.compat_hash}, this decode worker expects protocol {PROTOCOL_VERSION} hash "
+                f"{self.peer_info.compat_hash}. Start all workers with the same model, --dtype and --block-size.",
+            )
+        core = self.engine.core
+        start = time.perf_counter()
+        local_ids = None
+        try:
+            if time.time() > handle.lease_deadline_unix:
+                raise PullFailed("the KV lease expired before the pull")
+            peer = await self._peer(handle.prefill_worker_addr)
+            local_ids = await self.engine.run(lambda: self._allocate(req, handle.num_tokens))
+            if local_ids is None:
+                raise PullFailed("no free KV blocks for the pull")
+            loop = asyncio.get_running_loop()
+            stats = await loop.run_in_executor(
+                None, self.connector.pull, peer, list(handle.block_ids), local_ids[: len(handle.block_ids)]
+            )
+        except (PullFailed, KVTransferError, KVCompatibilityError, grpc.aio.AioRpcError) as e:
+            if local_ids is not None:
+                await self.engine.run(lambda: core.kv.free(req.request_id))
+            self.metrics.kv_failures.inc()
+            if isinstance(e, KVCompatibilityError):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            if self.args.kv_pull_failure_policy == "fail":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull failed: {e}")
+            logger.warning("kv_pull_failed request_id=%s policy=recompute error=%s", req.request_id, e)
+            self.metrics.kv_recomputes.inc()
+            asyncio.create_task(self._release(handle))
+            return None, {"kv_recomputed": True}
+        asyncio.create_task(self._release(handle))
+        self.metrics.kv_bytes.inc(stats.num_bytes)
+        self.metrics.kv_seconds.inc(stats.seconds)
+        self.metrics.kv_transfers.inc()
+        transfer = {"kv_transfer_bytes": stats.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
+        return (lambda r: self._join(r, handle.num_tokens)), transfer
+
+    def _allocate(self, req: Request, num_tokens: int) -> list[int] | None:
+        """Engine thread: fresh local blocks for the prompt's pulled KV."""
+        saved = req.num_computed_tokens
+        req.num_computed_tokens = 0
+        ids = self.engine.core.kv.allocate_slots(req, num_tokens)
+        req.num_computed_tokens = saved
+        return ids
+
+    def _join(self, req: Request, num_tokens: int) -> None:
+        """Engine thread: the pulled KV is in place; continue from the first token."""
+        req.num_computed_tokens = num_tokens
+        req.num_cached_tokens = 0
+        self.engine.core.kv.cache_full_blocks(req)
+        self.engine.core.scheduler.add_running(req)
+
+    async def _release(self, handle: pb.KVHandle) -> None:
+        try:
+            await self._stub(handle.prefill_worker_addr).ReleaseKV(
+                pb.ReleaseKVRequest(request_id=handle.request_id), timeout=5
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.info("kv_release_failed request_id=%s error=%s", handle.request_id, e.code())
+
+
+def add_servicer(worker: DecodeWorker, server) -> None:
+    pb_grpc.add_DecodeWorkerServicer_to_server(worker, server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(build_decode_parser(), DecodeWorker, add_servicer, argv)

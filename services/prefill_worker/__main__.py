@@ -1,0 +1,3 @@
+from services.prefill_worker.server import main
+
+raise SystemExit(main())

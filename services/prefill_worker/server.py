@@ -1,0 +1,128 @@
+"""Prefill worker: computes a prompt's KV and first token, then holds the blocks
+under a lease until a decode worker has pulled them (or the lease expires)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+import grpc
+
+from services.common.convert import sampling_from_proto, token_to_proto
+from services.common.worker import WorkerBase, build_parser
+from services.common.worker import main as worker_main
+from services.kv_transfer.handshake import PROTOCOL_VERSION
+from shared.cli import env_default
+from shared.engine.request import RequestStatus
+from shared.engine.sampling_params import InvalidRequestError
+from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("cleave.prefill")
+
+
+def build_prefill_parser() -> argparse.ArgumentParser:
+    parser = build_parser("prefill")
+    parser.add_argument("--kv-lease-seconds", type=float, default=float(env_default("--kv-lease-seconds", 30.0)),
+                        help="how long finished prefills hold their blocks for a decode worker")  # fmt: skip
+    parser.add_argument("--advertise-addr", default=env_default("--advertise-addr", None),
+                        help="gRPC address decode workers use to reach this worker (default host:port)")  # fmt: skip
+    return parser
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.leases: dict[str, float] = {}  # request id -> monotonic deadline
+
+    def background_tasks(self) -> list[asyncio.Task]:
+        return [asyncio.create_task(self._expire_leases())]
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        core = self.engine.core
+        try:
+            params = sampling_from_proto(request.sampling)
+            if params.n != 1:
+                raise InvalidRequestError("prefill handles n=1 requests; fan out n>1 before")
+            req = await self.engine.run(
+                lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
+            )
+        except InvalidRequestError as e:
+            await self.invalid(context, e)
+        req.prefill_only = True
+        last = None
+        async for delta in self.engine.stream(req):
+            last = delta
+        assert last is not None and last.finished
+        response = pb.PrefillResponse(
+            first_token=token_to_proto(last.new_samples[0]),
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+        )
+        if req.status != RequestStatus.FINISHED_PREFILLED:
+            response.finish_reason = last.finish_reason or "stop"
+            return response
+        block_ids = await self.engine.run(lambda: core.kv.block_ids(req.request_id))
+        lease_s = self.args.kv_lease_seconds
+        self.leases[req.request_id] = time.monotonic() + lease_s
+        self.num_leased = len(self.leases)
+        response.kv_handle.CopyFrom(
+            pb.KVHandle(
+                protocol_version=PROTOCOL_VERSION, request_id=req.request_id, worker_id=self.worker_id,
+                prefill_worker_addr=self.address, transfer_backend=self.connector.backend_name,
+                block_ids=block_ids, num_tokens=req.num_prompt_tokens,
+                lease_deadline_unix=time.time() + lease_s, compat_hash=self.peer_info.compat_hash,
+            )  # fmt: skip
+        )
+        return response
+
+    async def _free(self, request_id: str) -> bool:
+        if self.leases.pop(request_id, None) is None:
+            return False
+        self.num_leased = len(self.leases)
+        await self.engine.run(lambda: self.engine.core.kv.free(request_id))
+        return True
+
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context) -> pb.ReleaseKVResponse:
+        return pb.ReleaseKVResponse(released=await self._free(request.request_id))
+
+    async def Abort(self, request, context) -> pb.AbortResponse:
+        released = await self._free(request.request_id)
+        response = await super().Abort(request, context)
+        return pb.AbortResponse(found=response.found or released)
+
+    async def GetKVMetadata(self, request: pb.KVMetadataRequest, context) -> pb.KVMetadataResponse:
+        info = self.peer_info
+        if request.protocol_version != PROTOCOL_VERSION or request.compat_hash != info.compat_hash:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV compatibility mismatch: this prefill worker speaks protocol {PROTOCOL_VERSION} with "
+                f"compat hash {info.compat_hash} (dtype {info.dtype}, block_size {info.block_size}, "
+                f"layers {info.num_layers}, kv heads {info.num_kv_heads}, head_dim {info.head_dim}); the caller sent "
+                f"protocol {request.protocol_version} hash {request.compat_hash}. Start both workers with the same "
+                "model, --dtype and --block-size.",
+            )
+        return pb.KVMetadataResponse(protocol_version=PROTOCOL_VERSION, compat_hash=info.compat_hash,
+                                     transfer_backend=self.connector.backend_name,
+                                     metadata=self.connector.local_metadata())  # fmt: skip
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for request_id in [r for r, deadline in self.leases.items() if deadline < now]:
+                if await self._free(request_id):
+                    self.metrics.lease_expired.inc()
+                    logger.info("kv_lease_expired request_id=%s", request_id)
+
+
+def add_servicer(worker: PrefillWorker, server) -> None:
+    pb_grpc.add_PrefillWorkerServicer_to_server(worker, server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(build_prefill_parser(), PrefillWorker, add_servicer, argv)

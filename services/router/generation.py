@@ -1,0 +1,330 @@
+"""The request pipeline: worker calls, detokenization, stop strings, fan-out of choices.
+
+One choice (of ``n``, of each prompt) is one worker request. Disaggregated:
+``Prefill`` on a prefill worker gives the first token and a KV handle, then
+``Generate`` on a decode worker continues from that handle. Aggregated (no
+prefill pool, no healthy prefill worker, a single-token request or a prompt
+under ``disagg_min_prompt_tokens``): ``Generate`` alone. A ``ChoiceDecoder``
+turns token batches into text deltas; ``run_choices`` runs the choices as tasks
+and yields their deltas in arrival order, cancelling everything when its
+consumer stops (stop string, client gone), which aborts the worker requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.protocol import APIError
+from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPools
+from shared.engine.sampling_params import SamplingParams
+from shared.genproto.cleave.v1 import worker_pb2
+from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, holdback_len
+
+logger = logging.getLogger("cleave.router.generation")
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """One worker request: choice ``index`` of the HTTP request."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What every worker call of one HTTP request shares."""
+
+    pools: WorkerPools
+    metadata: Metadata
+    rpc_timeout_s: float
+    disagg_min_prompt_tokens: int
+    metrics: RouterMetrics
+    timer: RequestTimer
+
+
+@dataclass
+class TokenInfo:
+    """A generated token as text, with its logprob and the top alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+    text_offset: int
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice: text that is safe to show, and what produced it."""
+
+    index: int
+    text: str
+    num_tokens: int
+    logprobs: list[TokenInfo] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
+    """Wire form of the params; stop strings stay in the router, which owns the text."""
+    return worker_pb2.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+
+
+def rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
+    """Map a worker's gRPC status to the HTTP answer."""
+    code = e.code()
+    detail = e.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, detail)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return APIError(503, f"{role} worker {address}: {code.name}: {detail}", "service_unavailable")
+    return APIError(500, f"{role} worker {address} failed: {code.name}: {detail}", "server_error")
+
+
+async def _prefill(ctx: CallContext, spec: ChoiceSpec) -> tuple[WorkerClient, worker_pb2.PrefillResponse] | None:
+    """First token and KV handle from a prefill worker; None means: run aggregated instead."""
+    pool, tried = ctx.pools.prefill, set()
+    request = worker_pb2.PrefillRequest(
+        request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
+    )
+    while True:
+        try:
+            worker = await pool.pick(tried)
+        except NoWorkerAvailable as e:
+            logger.info("prefill_fallback request_id=%s reason=%r", spec.request_id, str(e))
+            return None
+        with worker.track():
+            try:
+                return worker, await worker.stub.Prefill(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
+            except asyncio.CancelledError:
+                pool.abort(worker, spec.request_id, ctx.metadata)
+                raise
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    worker.mark_unreachable()
+                    tried.add(worker.address)
+                elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    logger.info("prefill_fallback request_id=%s reason=resource_exhausted", spec.request_id)
+                    return None
+                else:
+                    raise rpc_error(e, "prefill", worker.address) from None
+
+
+async def _decode(ctx: CallContext, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """Stream ``Generate`` from a decode worker, moving on to another one if a worker is unreachable."""
+    pool, tried = ctx.pools.decode, set()
+    while True:
+        try:
+            worker = await pool.pick(tried)
+        except NoWorkerAvailable as e:
+            raise APIError(503, str(e), "service_unavailable") from None
+        call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
+        received = finished = unreachable = False
+        with worker.track():
+            try:
+                async for response in call:
+                    received = True
+                    if response.finish_reason == "abort":
+                        raise APIError(503, f"decode worker {worker.address} aborted the request", "service_unavailable")
+                    finished = bool(response.finish_reason)
+                    yield response
+                    if finished:
+                        return
+                raise APIError(500, f"decode worker {worker.address} ended the stream without a finish reason", "server_error")
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or received:
+                    raise rpc_error(e, "decode", worker.address) from None
+                worker.mark_unreachable()
+                tried.add(worker.address)
+                unreachable = True
+            finally:
+                if not finished and not unreachable:
+                    # Cancelling the stream lets the worker notice; Abort frees its blocks at once.
+                    call.cancel()
+                    pool.abort(worker, request.request_id, ctx.metadata)
+
+
+async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """All token batches of one choice, from whichever path serves it; the last one has a finish reason."""
+    request = worker_pb2.GenerateRequest(
+        request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
+    )
+    disaggregate = (
+        bool(ctx.pools.prefill)
+        and (spec.params.max_tokens or 0) > 1
+        and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens
+    )
+    prefilled = await _prefill(ctx, spec) if disaggregate else None
+    ctx.metrics.routed.labels("disaggregated" if prefilled else "aggregated").inc()
+    if prefilled is None:
+        async with aclosing(_decode(ctx, request)) as responses:
+            async for response in responses:
+                yield response
+        return
+    prefill_worker, first = prefilled
+    yield worker_pb2.GenerateResponse(
+        tokens=[first.first_token],
+        finish_reason=first.finish_reason,
+        num_prompt_tokens=first.num_prompt_tokens,
+        num_cached_tokens=first.num_cached_tokens,
+    )
+    if first.finish_reason or not first.HasField("kv_handle"):
+        return
+    request.first_token.CopyFrom(first.first_token)
+    request.kv_handle.CopyFrom(first.kv_handle)
+    finished = False
+    try:
+        async with aclosing(_decode(ctx, request)) as responses:
+            async for response in responses:
+                finished = bool(response.finish_reason)
+                yield response
+    finally:
+        if not finished:
+            # The decode worker may never have pulled the blocks; releasing twice is harmless.
+            ctx.pools.prefill.release_kv(prefill_worker, spec.request_id, ctx.metadata)
+
+
+@dataclass
+class ChoiceDecoder:
+    """Token batches of one choice → text deltas, with stop strings cut and held back."""
+
+    tokenizer: Tokenizer
+    spec: ChoiceSpec
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer = field(init=False)
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        params = self.spec.params
+        self.detokenizer = IncrementalDetokenizer(self.tokenizer, self.spec.prompt_ids, params.skip_special_tokens)
+        self.stop = list(params.stop)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        self.stop_token_ids = frozenset(stop_ids)
+
+    def add(self, response: worker_pb2.GenerateResponse) -> ChoiceDelta:
+        assert self.finish_reason is None, "tokens after the choice finished"
+        params, tokens = self.spec.params, response.tokens
+        logprobs: list[TokenInfo] | None = [] if params.logprobs is not None else None
+        num_new = 0
+        for i, token in enumerate(tokens):
+            num_new += 1
+            self.num_tokens += 1
+            if logprobs is not None:
+                logprobs.append(self._token_info(token))
+            last = i == len(tokens) - 1
+            # EOS / stop token ids end the text without showing the token itself.
+            if not (last and response.finish_reason == "stop" and token.token_id in self.stop_token_ids):
+                searched = len(self.text)
+                self.text += self.detokenizer.add(token.token_id)
+                if self._cut_at_stop(searched):
+                    break
+            if not last and params.max_tokens is not None and self.num_tokens >= params.max_tokens:
+                self.finish_reason = "length"
+                break
+        if self.finish_reason is None:
+            if response.finish_reason:
+                self.finish_reason = response.finish_reason
+            elif params.max_tokens is not None and self.num_tokens >= params.max_tokens:
+                self.finish_reason = "length"
+        if self.finish_reason is not None and self.finish_reason != "stop_string":
+            searched = len(self.text)
+            self.text += self.detokenizer.flush()
+            self._cut_at_stop(searched)
+        end = len(self.text)
+        if self.finish_reason is None:
+            end -= holdback_len(self.text, self.stop)
+        delta_text = self.text[self.num_emitted_chars : end]
+        self.num_emitted_chars = max(self.num_emitted_chars, end)
+        if self.finish_reason == "stop_string":
+            self.finish_reason = "stop"
+        return ChoiceDelta(
+            self.spec.index, delta_text, num_new, logprobs, self.finish_reason, response.num_cached_tokens
+        )
+
+    def _cut_at_stop(self, searched: int) -> bool:
+        if not self.stop:
+            return False
+        index = find_stop(self.text, self.stop, searched)
+        if index is None:
+            return False
+        self.text = self.text[:index]
+        self.finish_reason = "stop_string"
+        return True
+
+    def _token_info(self, token: worker_pb2.TokenOutput) -> TokenInfo:
+        def as_text(token_id: int) -> str:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        top = [(as_text(t.token_id), t.logprob) for t in token.top_logprobs]
+        return TokenInfo(as_text(token.token_id), token.logprob, top, len(self.text))
+
+
+_DONE = object()
+
+
+async def run_choices(
+    ctx: CallContext, specs: Sequence[ChoiceSpec], make_decoder: Callable[[ChoiceSpec], ChoiceDecoder]
+) -> AsyncIterator[ChoiceDelta]:
+    """Run every choice as its own task; yield deltas as they come. Closing this cancels the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run_one(spec: ChoiceSpec) -> None:
+        decoder = make_decoder(spec)
+        stream = worker_tokens(ctx, spec)
+        try:
+            async for response in stream:
+                delta = decoder.add(response)
+                ctx.timer.on_tokens(spec.index, delta.num_tokens)
+                queue.put_nowait(delta)
+                if delta.finish_reason:
+                    ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
+                    break
+            queue.put_nowait(_DONE)
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait(e)
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(run_one(spec)) for spec in specs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

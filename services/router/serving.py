@@ -1,0 +1,335 @@
+"""From an OpenAI request to worker choices, and from choice deltas to OpenAI bodies.
+
+``prepare_completion`` / ``prepare_chat`` validate and tokenize (raising
+``APIError``), ``CompletionFormat`` / ``ChatFormat`` shape stream chunks and
+final bodies, and ``ChoiceResult`` accumulates a choice for non-stream answers.
+All of it is pure: no I/O, no workers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from services.router.generation import ChoiceDelta, ChoiceSpec, TokenInfo
+from services.router.protocol import (
+    APIError,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingRequest,
+    TopLogprob,
+    UsageInfo,
+    bad_request,
+    choice_params,
+)
+from shared.tokenizer import Tokenizer
+
+MAX_N = 128
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class Prepared:
+    """A validated request: its prompts and one ``ChoiceSpec`` per worker request."""
+
+    request_id: str
+    prompts: list[list[int]]
+    specs: list[ChoiceSpec]
+    stream: bool
+    include_usage: bool
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def check_model(requested: str | None, model: ModelInfo) -> None:
+    if requested is not None and requested != model.name:
+        raise APIError(404, f"The model `{requested}` does not exist.", "invalid_request_error", "model", "model_not_found")
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} in {param} is outside the vocabulary [0, {vocab_size})", param)
+
+
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, default: int | None, max_model_len: int) -> int:
+    """``requested`` if it fits the context; when omitted, ``default`` capped to what remains (or all of it)."""
+    if requested is not None and requested < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    remaining = max_model_len - num_prompt_tokens
+    if requested is None and remaining >= 1:
+        return remaining if default is None else min(default, remaining)
+    completion = requested if requested is not None else 1
+    if requested is None or num_prompt_tokens + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + completion} tokens ({num_prompt_tokens} in the messages, {completion} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            "messages",
+            "context_length_exceeded",
+        )
+    return requested
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+    """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]  # type: ignore[list-item]
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise bad_request("prompt must not be empty", "prompt")
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(tokenizer.encode(item, add_special_tokens=True))
+        else:
+            check_token_ids(list(item), vocab_size, "prompt")
+            prompts.append(list(item))
+    return prompts
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    """Apply the model's chat template; the rendered text carries its own special tokens."""
+    if not req.messages:
+        raise bad_request("messages must not be empty", "messages")
+    messages = []
+    for message in req.messages:
+        entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _specs(
+    request_id: str,
+    req: SamplingRequest,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    logprobs: int | None,
+    model: ModelInfo,
+) -> list[ChoiceSpec]:
+    if req.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
+    check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
+    specs = []
+    for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
+        params = req.to_sampling_params(prompt_max_tokens, logprobs)
+        for i in range(req.n):
+            index = prompt_index * req.n + i
+            specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, choice_params(params, i)))
+    return specs
+
+
+def prepare_completion(req: CompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+    check_model(req.model, model)
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    prompts = completion_prompts(req, tokenizer, model.vocab_size)
+    max_tokens = [
+        resolve_max_tokens(len(p), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, model.max_model_len) for p in prompts
+    ]
+    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model)
+    return Prepared(request_id, prompts, specs, req.stream, req.include_usage)
+
+
+def prepare_chat(req: ChatCompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+    check_model(req.model, model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    prompt_ids = chat_prompt(req, tokenizer)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model)
+    return Prepared(request_id, [prompt_ids], specs, req.stream, req.include_usage)
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced, for non-stream answers and the request log."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenInfo] | None = None
+    finish_reason: str | None = None
+    num_tokens: int = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text_parts.append(delta.text)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.num_tokens += delta.num_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def usage(prep: Prepared, results: list[ChoiceResult]) -> UsageInfo:
+    completion = sum(r.num_tokens for r in results)
+    return UsageInfo(
+        prompt_tokens=prep.num_prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prep.num_prompt_tokens + completion,
+    )
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def completion_logprobs(infos: list[TokenInfo] | None) -> CompletionLogprobs | None:
+    if infos is None:
+        return None
+    return CompletionLogprobs(
+        text_offset=[i.text_offset for i in infos],
+        token_logprobs=[_lp(i.logprob) for i in infos],
+        tokens=[i.token for i in infos],
+        top_logprobs=[{i.token: _lp(i.logprob)} | {tok: _lp(lp) for tok, lp in i.top} for i in infos],
+    )
+
+
+def chat_logprobs(infos: list[TokenInfo] | None) -> ChatLogprobs | None:
+    if infos is None:
+        return None
+    content = [
+        ChatTokenLogprob(
+            token=i.token,
+            logprob=_lp(i.logprob),
+            bytes=list(i.token.encode()),
+            top_logprobs=[TopLogprob(token=t, logprob=_lp(lp), bytes=list(t.encode())) for t, lp in i.top],
+        )
+        for i in infos
+    ]
+    return ChatLogprobs(content=content)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class CompletionFormat:
+    """``/v1/completions`` bodies: ``text_completion`` objects."""
+
+    def __init__(self, prep: Prepared, model_name: str) -> None:
+        self.prep, self.model_name, self.created = prep, model_name, int(time.time())
+
+    def _body(self, choices: list[CompletionChoice], usage_info: UsageInfo | None) -> dict[str, Any]:
+        body = CompletionResponse(
+            id=self.prep.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage_info
+        ).model_dump()
+        if self.prep.stream and not self.prep.include_usage:
+            body.pop("usage")
+        return body
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not (delta.text or delta.logprobs or delta.finish_reason):
+            return None
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=completion_logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
+        )
+        return self._body([choice], None)
+
+    def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
+        return self._body([], usage_info)
+
+    def response(self, results: list[ChoiceResult], usage_info: UsageInfo) -> dict[str, Any]:
+        choices = [
+            CompletionChoice(
+                index=r.index, text=r.text, logprobs=completion_logprobs(r.logprobs), finish_reason=r.finish_reason
+            )
+            for r in results
+        ]
+        return self._body(choices, usage_info)
+
+
+class ChatFormat:
+    """``/v1/chat/completions`` bodies: ``chat.completion`` and ``chat.completion.chunk`` objects."""
+
+    def __init__(self, prep: Prepared, model_name: str) -> None:
+        self.prep, self.model_name, self.created = prep, model_name, int(time.time())
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None) -> dict[str, Any]:
+        body = ChatCompletionChunk(
+            id=self.prep.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage_info
+        ).model_dump()
+        if not self.prep.include_usage:
+            body.pop("usage")
+        return body
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """The assistant role first, once per choice."""
+        return [
+            self._chunk([ChatStreamChoice(index=spec.index, delta=DeltaMessage(role="assistant", content=""))], None)
+            for spec in self.prep.specs
+        ]
+
+    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not (delta.text or delta.logprobs or delta.finish_reason):
+            return None
+        choice = ChatStreamChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text or None),
+            logprobs=chat_logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
+        )
+        return self._chunk([choice], None)
+
+    def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
+        return self._chunk([], usage_info)
+
+    def response(self, results: list[ChoiceResult], usage_info: UsageInfo) -> dict[str, Any]:
+        choices = [
+            ChatChoice(
+                index=r.index,
+                message=ChatResponseMessage(content=r.text),
+                logprobs=chat_logprobs(r.logprobs),
+                finish_reason=r.finish_reason,
+            )
+            for r in results
+        ]
+        return ChatCompletionResponse(
+            id=self.prep.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage_info
+        ).model_dump()

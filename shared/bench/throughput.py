@@ -1,0 +1,153 @@
+"""``cleave bench throughput``: offline generation throughput, Cleave vs transformers.
+
+Backends: ``cleave`` (this engine), ``hf`` (transformers ``generate`` in static
+batches: every batch runs until its longest request is done) and ``hf-cb``
+(transformers continuous batching). EOS is ignored so every backend produces
+exactly the requested tokens. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+from shared.bench.workload import make_workload
+from shared.cli import add_engine_args, engine_config_from_args
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_cleave(args, workload) -> dict:
+    from shared.engine import LLM, SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    engine = llm.engine
+    utilization: list[float] = []
+    step = engine.step
+
+    def measured_step():
+        # Live tokens over allocated slots, sampled every step.
+        live = sum(r.num_computed_tokens for r in engine.scheduler.running)
+        blocks = sum(len(b) for b in engine.kv.req_blocks.values())
+        if blocks:
+            utilization.append(live / (blocks * engine.config.block_size))
+        return step()
+
+    engine.step = measured_step
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=args.progress)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = engine.stats()
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": num_out,
+        "kv_slot_utilization": sum(utilization) / max(len(utilization), 1),
+        "num_preemptions": stats.num_preemptions,
+        "kv_blocks": engine.num_blocks,
+    }
+
+
+def _load_hf(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    return model, device
+
+
+def run_hf(args, workload) -> dict:
+    """Static batches: each runs to its longest request; live/allocated slots reported as utilization."""
+    import torch
+
+    model, device = _load_hf(args)
+    pad_id = 0
+    num_out, live, allocated = 0, 0, 0
+    start = time.perf_counter()
+    for i in range(0, len(workload), args.hf_batch_size):
+        batch = workload[i : i + args.hf_batch_size]
+        max_prompt = max(len(r.prompt_token_ids) for r in batch)
+        max_new = max(r.max_tokens for r in batch)
+        ids = torch.full((len(batch), max_prompt), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):  # left padding
+            ids[row, max_prompt - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+            mask[row, max_prompt - len(r.prompt_token_ids) :] = 1
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id,
+            )  # fmt: skip
+        num_out += sum(r.max_tokens for r in batch)  # only the tokens each request asked for count
+        live += sum(len(r.prompt_token_ids) + r.max_tokens for r in batch)
+        allocated += len(batch) * (max_prompt + max_new)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "kv_slot_utilization": live / allocated}
+
+
+def run_hf_cb(args, workload) -> dict:
+    import torch
+    from transformers import GenerationConfig
+
+    model, device = _load_hf(args)
+    config = GenerationConfig(max_new_tokens=max(r.max_tokens for r in workload), do_sample=False, eos_token_id=-1)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+            ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens) for r in workload]
+            pending, num_out = set(ids), 0
+            while pending:
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    pending.discard(result.request_id)
+                    num_out += len(result.generated_tokens)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens": num_out, "kv_slot_utilization": None}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="cleave bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_engine_args(parser)
+    parser.add_argument("--backend", choices=["cleave", "hf", "hf-cb"], default="cleave")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the hf backend")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar (cleave backend)")
+    args = parser.parse_args(argv)
+
+    from shared.models.config import load_model_config
+
+    model_config = load_model_config(args.model)
+    avoid = frozenset(model_config.eos_token_ids) | ({model_config.bos_token_id} - {None})
+    workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
+                             model_config.vocab_size, args.seed, avoid)  # fmt: skip
+    runner = {"cleave": run_cleave, "hf": run_hf, "hf-cb": run_hf_cb}[args.backend]
+    result = runner(args, workload)
+    elapsed = result.pop("elapsed_s")
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    report = {
+        "backend": args.backend,
+        "model": args.model,
+        "num_requests": len(workload),
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(len(workload) / elapsed, 3),
+        "output_tokens_per_s": round(result["output_tokens"] / elapsed, 2),
+        "total_tokens_per_s": round((result["output_tokens"] + prompt_tokens) / elapsed, 2),
+        "peak_memory_bytes": _peak_rss_bytes(),
+        **result,
+    }
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0

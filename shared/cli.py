@@ -1,0 +1,166 @@
+"""The ``cleave`` command.
+
+Every flag can also be set with an environment variable ``CLEAVE_<FLAG>``
+(upper case, dashes as underscores), e.g. ``CLEAVE_KV_CACHE_MEMORY=4GiB``.
+Services are started by module name (``python -m services...``); this module
+never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from shared.config import EngineConfig
+
+DEFAULT_MODEL_DIR = ".cache/demo-model"
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if value and value[-1] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value)
+
+
+def env_default(flag: str, default):
+    return os.environ.get("CLEAVE_" + flag.lstrip("-").replace("-", "_").upper(), default)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by ``generate``, the workers and the throughput benchmark."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=env_default("--model", DEFAULT_MODEL_DIR), help="Hugging Face checkpoint directory (default: the demo model)")
+    g.add_argument("--dtype", default=env_default("--dtype", "auto"), choices=["auto", "float32", "bfloat16"], help="weights and KV cache dtype")
+    g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
+    g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes(str(env_default("--kv-cache-memory", "2GiB"))), help="KV cache budget on CPU, e.g. 512MiB, 4GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=float(env_default("--gpu-memory-utilization", 0.9)), help="fraction of GPU memory to use (CUDA)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=int(env_default("--max-num-batched-tokens", 2048)), help="token budget per engine step")
+    g.add_argument("--max-num-seqs", type=int, default=int(env_default("--max-num-seqs", 256)), help="running requests at most")
+    g.add_argument("--max-model-len", type=int, default=env_default("--max-model-len", None), help="context length (default: the model's)")
+    g.add_argument("--no-prefix-caching", action="store_true", default=bool(env_default("--no-prefix-caching", "")), help="disable automatic prefix caching")
+    g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"), choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true", default=bool(env_default("--enforce-eager", "")), help="CUDA: no CUDA graphs")  # fmt: skip
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=int(args.max_model_len) if args.max_model_len else None,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shared.engine import LLM, InvalidRequestError, SamplingParams
+
+    try:
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            seed=args.seed, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )  # fmt: skip
+        config = engine_config_from_args(args)
+        llm = LLM(**{k: v for k, v in vars(config).items()})
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        (result,) = llm.generate([prompt], params)
+    except (InvalidRequestError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for completion in result.outputs:
+        print(completion.text)
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from shared.models.demo import write_demo_model
+
+    path = write_demo_model(args.dir, seed=args.seed)
+    print(f"demo model written to {path}")
+    return 0
+
+
+def _exec_module(module: str, argv: list[str]) -> int:
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    return 0  # not reached
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(prog="cleave", description="Cleave: disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--log-level", default=env_default("--log-level", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete one prompt offline and print the text")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo-model", help="write the small random-weight demo checkpoint")
+    p.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo_model)
+
+    passthrough = {
+        "serve": ("shared.launcher", "start router + prefill + decode workers as processes"),
+        "router": ("services.router", "start the OpenAI-compatible router"),
+        "prefill-worker": ("services.prefill_worker", "start a prefill worker (gRPC)"),
+        "decode-worker": ("services.decode_worker", "start a decode worker (gRPC)"),
+    }
+    for name, (module, help_text) in passthrough.items():
+        p = sub.add_parser(name, help=help_text + f" (see `cleave {name} --help`)", add_help=False)
+        p.set_defaults(module=module)
+
+    p = sub.add_parser("bench", help="benchmarks that print JSON (`cleave bench throughput|serve --help`)", add_help=False)
+    p.set_defaults(module="shared.bench")
+    return parser, passthrough
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, _ = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if getattr(args, "module", None):
+        index = argv.index(args.command)
+        return _exec_module(args.module, argv[index + 1 :])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""The engine loop for services: one thread steps the engine continuously, so
+requests arriving on many RPCs batch together; asyncio callers stream deltas.
+
+All engine state is touched only on the engine thread: callers submit
+commands (plain callables) that run between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from shared.config import EngineConfig
+from shared.engine.engine_core import EngineCore, RequestOutputDelta
+from shared.engine.request import Request
+from shared.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("cleave.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        self.core = core or EngineCore(config)
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if not self.core.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for delta in self.core.step():
+                    self._publish(delta)
+        except BaseException as e:  # the loop must never die silently
+            logger.exception("engine loop failed")
+            self.error = e
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _publish(self, delta: RequestOutputDelta) -> None:
+        key = delta.parent_request_id or delta.request_id
+        target = self._streams.get(key)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, delta)
+
+    # ---- any thread -----------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between steps."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self.error}")
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def stream(
+        self, request: Request, admit: Callable[[Request], None] | None = None
+    ) -> AsyncIterator[RequestOutputDelta]:
+        """Admit ``request`` (default: queue it) and yield its deltas until it finishes.
+
+        Leaving the iterator early (client gone, stop string) aborts the request.
+        """
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (asyncio.get_running_loop(), q)
+        num_open = request.sampling_params.n
+        try:
+            await self.run(lambda: (admit or self.core.scheduler.add_request)(request))
+            while num_open:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine loop stopped: {item}")
+                if item.finished:
+                    num_open -= 1
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if num_open:
+                ids = [request.request_id] + [f"{request.request_id}/{i}" for i in range(1, request.sampling_params.n)]
+                self.call(lambda: [self.core.abort(i) for i in ids])
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutputDelta]:
+        request = await self.run(lambda: self.core.make_request(request_id, prompt_token_ids, params))
+        async for delta in self.stream(request):
+            yield delta
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)

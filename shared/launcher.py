@@ -1,0 +1,154 @@
+"""``cleave serve``: router + prefill workers + decode workers as processes.
+
+Starts the services by module name, waits until every one is healthy, prints
+the URL and an example request, and stops every child on Ctrl-C or SIGTERM.
+Unknown flags are passed to every worker (engine flags such as
+``--kv-cache-memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from shared.cli import DEFAULT_MODEL_DIR, env_default
+
+READY_TIMEOUT_S = 300
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="cleave serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", default=env_default("--model", DEFAULT_MODEL_DIR),
+                        help="checkpoint directory (the demo model is created there on first use if missing)")  # fmt: skip
+    parser.add_argument("--host", default=env_default("--host", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env_default("--port", 8000)), help="router HTTP port")
+    parser.add_argument("--prefill-workers", type=int, default=int(env_default("--prefill-workers", 1)),
+                        help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
+    parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
+    parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
+    return parser.parse_known_args(argv)
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, module: str, args: list[str], name: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True, bufsize=1,
+            start_new_session=True,
+        )  # fmt: skip
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def wait_ready_line(self, proc: subprocess.Popen) -> dict[str, str]:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{proc.name} exited with code {proc.wait()} before becoming ready")  # type: ignore[attr-defined]
+            if line.startswith("CLEAVE_READY"):
+                threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+                return dict(part.split("=", 1) for part in line.split()[1:])
+            print(line, end="")
+        raise RuntimeError(f"{proc.name} not ready after {READY_TIMEOUT_S}s")  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line, end="")
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"router not healthy at {url} after {timeout_s}s")
+
+
+def ensure_model(model: str) -> None:
+    if (Path(model) / "config.json").exists():
+        return
+    if os.path.abspath(model) != os.path.abspath(DEFAULT_MODEL_DIR):
+        raise SystemExit(f"error: {model}/config.json not found; pass --model with a Hugging Face checkpoint directory")
+    from shared.models.demo import write_demo_model
+
+    print(f"creating the demo model in {model} ...", flush=True)
+    write_demo_model(model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, worker_args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.decode_workers < 1:
+        raise SystemExit("error: --decode-workers must be >= 1")
+    ensure_model(args.model)
+    cluster = Cluster()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
+        if args.metrics:
+            common += ["--metrics-port", "0"]
+        pending = [cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)]
+        pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
+        router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port)]
+        for proc in pending:
+            info = cluster.wait_ready_line(proc)
+            flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
+            router_args += [flag, info["grpc"]]
+            print(f"{proc.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "  # type: ignore[attr-defined]
+                  f"metrics_port={info['metrics_port']}", flush=True)  # fmt: skip
+        router = cluster.start("services.router", router_args, "router")
+        threading.Thread(target=_drain, args=(router,), daemon=True).start()
+        base = f"http://{args.host}:{args.port}"
+        wait_http_ok(base + "/health", router)
+        print(f"\nCleave is serving {args.model} at {base}/v1\n"
+              f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{Path(args.model).name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n"
+              "Press Ctrl-C to stop.", flush=True)  # fmt: skip
+        while all(p.poll() is None for p in cluster.procs):
+            time.sleep(0.5)
+        dead = [p.name for p in cluster.procs if p.poll() is not None]  # type: ignore[attr-defined]
+        print(f"error: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

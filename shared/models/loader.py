@@ -1,0 +1,92 @@
+"""Load a Hugging Face checkpoint directory into a ``LlamaModel``.
+
+Reads ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json``. Every failure raises ``ModelLoadError``
+naming the file and what was expected, so an operator can fix the directory.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.models.config import ModelConfig, ModelLoadError, load_model_config
+from shared.models.llama import LlamaModel
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, config: ModelConfig) -> torch.dtype:
+    """``auto`` means the checkpoint's own dtype."""
+    name = config.torch_dtype if dtype == "auto" else dtype
+    name = name.removeprefix("torch.")
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not supported; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def tensor_locations(model_dir: Path) -> dict[str, str]:
+    """Map each tensor name to the safetensors file (relative name) that holds it."""
+    index_path = model_dir / INDEX_FILE
+    single_path = model_dir / SINGLE_FILE
+    if index_path.is_file():
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index_path}: expected JSON with a 'weight_map' object ({e!r})") from None
+        for file_name in sorted(set(weight_map.values())):
+            if not (model_dir / file_name).is_file():
+                raise ModelLoadError(f"{model_dir / file_name}: file not found (listed in {INDEX_FILE})")
+        return dict(weight_map)
+    if single_path.is_file():
+        with safe_open(str(single_path), framework="pt") as f:
+            return {name: SINGLE_FILE for name in f.keys()}
+    raise ModelLoadError(f"{model_dir}: no weights found; expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _missing_tensor_error(model_dir: Path, name: str, sharded: bool) -> ModelLoadError:
+    where = INDEX_FILE if sharded else SINGLE_FILE
+    return ModelLoadError(f"{model_dir / where}: missing tensor {name}")
+
+
+def load_weights(model: LlamaModel, model_dir: Path) -> None:
+    """Copy every tensor ``model.checkpoint_tensors()`` asks for, checking shapes."""
+    locations = tensor_locations(model_dir)
+    sharded = (model_dir / INDEX_FILE).is_file()
+    with ExitStack() as stack, torch.no_grad():
+        handles = {}
+        for name, dest in model.checkpoint_tensors():
+            file_name = locations.get(name)
+            if file_name is None:
+                raise _missing_tensor_error(model_dir, name, sharded)
+            if file_name not in handles:
+                handles[file_name] = stack.enter_context(safe_open(str(model_dir / file_name), framework="pt"))
+            handle = handles[file_name]
+            if name not in handle.keys():
+                raise ModelLoadError(f"{model_dir / file_name}: missing tensor {name} (the index lists it here)")
+            shape = list(handle.get_slice(name).get_shape())
+            if shape != list(dest.shape):
+                raise ModelLoadError(
+                    f"{model_dir / file_name}: tensor {name} has shape {shape}, expected {list(dest.shape)}"
+                )
+            dest.copy_(handle.get_tensor(name))
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaModel, ModelConfig]:
+    """Build the model described by ``config.json`` and fill it from the safetensors files."""
+    model_dir = Path(model_dir)
+    config = load_model_config(model_dir)
+    model = LlamaModel(config, dtype=resolve_dtype(dtype, config), device=device)
+    load_weights(model, model_dir)
+    model.eval()
+    return model, config
