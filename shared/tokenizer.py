@@ -19,7 +19,6 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
 
 # Named special tokens a chat template may refer to (``bos_token`` etc.).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -46,8 +45,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _clean_up_tokenization(text: str) -> str:
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -70,8 +79,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Unlike jinja's own filter, no HTML escaping: templates emit JSON into prompts, not web pages.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -92,7 +102,12 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 class Tokenizer:
-    """A Hugging Face tokenizer directory: ``tokenizer.json`` plus ``tokenizer_config.json``."""
+    """A Hugging Face tokenizer directory: ``tokenizer.json`` plus ``tokenizer_config.json``.
+
+    As in transformers, the ``tokenizer.json`` post-processor alone decides
+    which special tokens ``encode`` adds; ``add_bos_token``/``add_eos_token``
+    in ``tokenizer_config.json`` are ignored when ``tokenizer.json`` exists.
+    """
 
     def __init__(
         self,
@@ -107,7 +122,6 @@ class Tokenizer:
             content = _token_content(self._config.get(name))
             if content is not None:
                 self.special_tokens[name] = content
-        self._apply_bos_eos_flags()
         self._chat_templates = dict(chat_templates or {})
         self._compiled: dict[str, jinja2.Template] = {}
         self._clean_up_spaces = bool(self._config.get("clean_up_tokenization_spaces", False)) and (
@@ -136,20 +150,6 @@ class Tokenizer:
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
         return None if content is None else self._backend.token_to_id(content)
-
-    def _apply_bos_eos_flags(self) -> None:
-        """Explicit ``add_bos_token``/``add_eos_token`` flags replace the post-processor, as in transformers."""
-        explicit = "add_bos_token" in self._config or "add_eos_token" in self._config
-        if not explicit and self._backend.post_processor is not None:
-            return
-        add_bos = bool(self._config.get("add_bos_token", False)) and self._special_id("bos_token") is not None
-        add_eos = bool(self._config.get("add_eos_token", False)) and self._special_id("eos_token") is not None
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        special = [(bos, self._special_id("bos_token"))] if add_bos else []
-        special += [(eos, self._special_id("eos_token"))] if add_eos else []
-        self._backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     @property
     def vocab_size(self) -> int:
@@ -244,9 +244,7 @@ class IncrementalDetokenizer:
     generated ids alone.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self.prompt_len = len(prompt_ids)

@@ -92,7 +92,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
-    add("--log-level", "log level", choices=LOG_LEVELS, default="info")
+    add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
     return parser
 
 

@@ -115,8 +115,14 @@ def write_tokenizer_files(model_dir: str | Path, model_max_length: int = 4096) -
         "clean_up_tokenization_spaces": False,
         "extra_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
         "added_tokens_decoder": {
-            str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                          "normalized": False, "single_word": False}
+            str(ids[t]): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
             for t in SPECIAL_TOKENS
         },
         "chat_template": CHAT_TEMPLATE,

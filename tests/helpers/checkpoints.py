@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from shared.models.demo import SPECIAL_TOKENS, demo_vocab_size, save_quietly, write_generation_config, write_tokenizer_files
+from shared.models.demo import (
+    SPECIAL_TOKENS,
+    demo_vocab_size,
+    save_quietly,
+    write_generation_config,
+    write_tokenizer_files,
+)
 
 ARCHES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
@@ -42,8 +48,13 @@ LLAMA3_ROPE_SCALING = {
 def _config_class(arch: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfig,
-               "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {
+        "llama": LlamaConfig,
+        "llama3": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+    }
     if arch not in classes:
         raise ValueError(f"unknown test architecture {arch!r}; expected one of {ARCHES}")
     return classes[arch]

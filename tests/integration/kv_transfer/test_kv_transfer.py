@@ -259,7 +259,7 @@ def test_incompatible_peer_is_refused(prefill_peer, backend):
 
 
 def test_stopped_or_killed_peer_fails_within_timeout():
-    """A frozen peer (SIGSTOP) times out; a dead one (SIGKILL) fails fast. Nothing hangs."""
+    """A frozen peer (SIGSTOP) times out, then recovers (SIGCONT); a dead one (SIGKILL) fails fast."""
     backends = available_backends()
     peer = PeerProcess([spec(backend, "float32") for backend in backends])
     connectors = [decode_connector(backend, "float32", timeout_s=1.0) for backend in backends]
@@ -274,6 +274,12 @@ def test_stopped_or_killed_peer_fails_within_timeout():
             with pytest.raises(KVTransferError, match="within 1 s"):
                 connector.pull(peer_id, list(range(16)), list(range(16)))
             assert time.monotonic() - start < 3.0, connector.backend_name
+
+        peer.signal(signal.SIGCONT)  # the peer recovers: the next pull works again
+        expected = expected_cache("float32")
+        for connector, peer_id in zip(connectors, peer_ids, strict=True):
+            connector.pull(peer_id, [7, 8], [20, 21])
+            assert same_bytes(connector.kv_cache[20:22], expected[7:9]), connector.backend_name
 
         peer.signal(signal.SIGKILL)
         for connector, peer_id in zip(connectors, peer_ids, strict=True):

@@ -65,7 +65,9 @@ def test_dtype_auto_follows_checkpoint_and_can_be_overridden(checkpoint_factory)
 
 def test_missing_weights_file_names_directory_and_expected_files(llama_dir):
     (llama_dir / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match=r"no weights found; expected model\.safetensors or model\.safetensors\.index\.json"):
+    with pytest.raises(
+        ModelLoadError, match=r"no weights found; expected model\.safetensors or model\.safetensors\.index\.json"
+    ):
         load_model(llama_dir)
 
 
@@ -80,7 +82,9 @@ def test_missing_tensor_names_file_and_tensor(llama_dir):
     tensors = load_file(llama_dir / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, llama_dir / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        ModelLoadError, match=r"model\.safetensors: missing tensor model\.layers\.1\.mlp\.up_proj\.weight"
+    ):
         load_model(llama_dir)
 
 

@@ -1,0 +1,36 @@
+"""``python -m services.router``: serve the OpenAI API in front of the workers (see ``--help``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from services.router.app import create_app
+from services.router.settings import parse_settings
+from shared.models.config import ModelLoadError
+from shared.tokenizer import TokenizerLoadError
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
+    )
+    if not settings.decode_workers:
+        logging.getLogger("cleave.router").warning(
+            "no --decode-worker given: every generation request will answer 503 until one is configured"
+        )
+    try:
+        app = create_app(settings)
+    except (ModelLoadError, TokenizerLoadError) as e:
+        print(f"router: cannot load the model: {e}", file=sys.stderr)
+        return 2
+    # The app logs one line per request itself; uvicorn's access log would duplicate it.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

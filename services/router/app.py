@@ -1,0 +1,352 @@
+"""FastAPI application of the router: routes, error shape, streaming glue.
+
+Routes are thin: validate and tokenize with ``serving.prepare_*``, run the
+choices with ``generation.run_choices``, shape the output with
+``serving.*Format``. Every error leaves as ``{"error": {...}}`` with the status
+of its cause; FastAPI's default 422 never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
+from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from services.router.serving import (
+    SSE_DONE,
+    ChatFormat,
+    ChoiceResult,
+    CompletionFormat,
+    ModelInfo,
+    Prepared,
+    prepare_chat,
+    prepare_completion,
+    sse,
+    usage,
+)
+from services.router.settings import RouterSettings
+from services.router.workers import WorkerPools, call_metadata, child_traceparent
+from shared.models.config import ModelConfig, load_model_config
+from shared.tokenizer import Tokenizer
+
+logger = logging.getLogger("cleave.router")
+
+# nginx's code for "client closed the request", used in logs and metrics only.
+CLIENT_CLOSED = 499
+
+Format = CompletionFormat | ChatFormat
+
+
+@dataclass
+class RouterState:
+    settings: RouterSettings
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    metrics: RouterMetrics
+    pools: WorkerPools | None = None
+
+    def model_info(self) -> ModelInfo:
+        """Context length: the configured one, lowered to the smallest any healthy worker reports."""
+        max_model_len = self.settings.max_model_len or self.model_config.max_position_embeddings
+        reported = self.pools.smallest_max_model_len() if self.pools else 0
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return ModelInfo(
+            name=self.settings.model_name,
+            max_model_len=min(max_model_len, reported) if reported else max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=frozenset(eos),
+        )
+
+
+def log_request(**fields: object) -> None:
+    logger.info("request " + " ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+class RequestRun:
+    """One generation request in flight: collects choices, then records metrics and the log line."""
+
+    def __init__(self, state: RouterState, endpoint: str, prep: Prepared) -> None:
+        self.state, self.endpoint, self.prep = state, endpoint, prep
+        self.timer = RequestTimer(state.metrics)
+        self.results = {spec.index: ChoiceResult(spec.index) for spec in prep.specs}
+        self.finished = False
+        state.metrics.running.inc()
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.results[delta.index].add(delta)
+
+    def ordered_results(self) -> list[ChoiceResult]:
+        return [self.results[i] for i in sorted(self.results)]
+
+    def finish(self, status: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        metrics, results = self.state.metrics, self.ordered_results()
+        metrics.running.dec()
+        metrics.requests.labels(self.endpoint, str(status)).inc()
+        num_generated = sum(r.num_tokens for r in results)
+        latency = self.timer.finish(self.prep.num_prompt_tokens, num_generated)
+        ttft = self.timer.ttft_s
+        log_request(
+            request_id=self.prep.request_id,
+            endpoint=self.endpoint,
+            status=status,
+            stream=self.prep.stream,
+            n=len(results),
+            prompt_tokens=self.prep.num_prompt_tokens,
+            completion_tokens=num_generated,
+            finish=",".join(str(r.finish_reason) for r in results),
+            ttft_ms="-" if ttft is None else f"{ttft * 1000:.1f}",
+            latency_ms=f"{latency * 1000:.1f}",
+        )
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable) -> object:
+    """Await ``work``, cancelling it (and so the worker calls) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        task.cancel()
+        # Let the cancellation run its cleanup (worker aborts) before the caller touches the stream again.
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+async def _sse_body(run: RequestRun, fmt: Format, first: ChoiceDelta | None, events: AsyncIterator) -> AsyncIterator[str]:
+    status, done = 200, False
+    try:
+        for chunk in fmt.opening_chunks():
+            yield sse(chunk)
+        pending = [first] if first is not None else []
+        while True:
+            delta = pending.pop() if pending else await anext(events, None)
+            if delta is None:
+                break
+            run.add(delta)
+            chunk = fmt.delta_chunk(delta)
+            if chunk is not None:
+                yield sse(chunk)
+        if run.prep.include_usage:
+            yield sse(fmt.usage_chunk(usage(run.prep, run.ordered_results())))
+        done = True
+        yield SSE_DONE
+    except APIError as e:
+        status, done = e.status_code, True
+        logger.warning("stream_failed request_id=%s status=%d error=%r", run.prep.request_id, status, e.message)
+        yield sse(e.body())
+        yield SSE_DONE
+    finally:
+        await events.aclose()
+        run.finish(status if done else CLIENT_CLOSED)
+
+
+async def _collect(run: RequestRun, events: AsyncIterator) -> None:
+    async for delta in events:
+        run.add(delta)
+
+
+async def serve_generation(
+    state: RouterState,
+    request: Request,
+    prepare: Callable[[str], Prepared],
+    make_format: Callable[[Prepared, str], Format],
+    id_prefix: str,
+) -> Response:
+    """Shared body of both generation endpoints."""
+    endpoint, request_id = request.url.path, f"{id_prefix}-{uuid.uuid4().hex}"
+    headers = {"x-request-id": request_id}
+    run: RequestRun | None = None
+    events: AsyncIterator | None = None
+    try:
+        prep = prepare(request_id)
+        run = RequestRun(state, endpoint, prep)
+        assert state.pools is not None, "worker pools start with the app"
+        traceparent = child_traceparent(request.headers.get("traceparent"))
+        ctx = CallContext(
+            state.pools,
+            call_metadata(traceparent, request_id),
+            state.settings.rpc_timeout_s,
+            state.settings.disagg_min_prompt_tokens,
+            state.metrics,
+            run.timer,
+        )
+        eos = state.model_info().eos_token_ids
+
+        def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
+            return ChoiceDecoder(state.tokenizer, spec, eos)
+
+        events = run_choices(ctx, prep.specs, make_decoder)
+        fmt = make_format(prep, state.settings.model_name)
+        if prep.stream:
+            # Wait for the first token before answering, so that early failures keep their status.
+            first = await until_disconnect(request, anext(events, None))
+            body = _sse_body(run, fmt, first, events)  # type: ignore[arg-type]
+            events = None  # the body owns it now
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        await until_disconnect(request, _collect(run, events))
+        results = run.ordered_results()
+        run.finish(200)
+        return JSONResponse(fmt.response(results, usage(prep, results)), headers=headers)
+    except ClientGone:
+        if run is not None:
+            run.finish(CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+    except APIError as e:
+        if run is not None:
+            run.finish(e.status_code)
+        else:
+            state.metrics.requests.labels(endpoint, str(e.status_code)).inc()
+            log_request(request_id=request_id, endpoint=endpoint, status=e.status_code, error=repr(e.message))
+        return JSONResponse(e.body(), status_code=e.status_code, headers=headers)
+    except Exception:
+        logger.exception("request_failed request_id=%s", request_id)
+        error = APIError(500, "internal error in the router; see its log", "server_error")
+        if run is not None:
+            run.finish(500)
+        return JSONResponse(error.body(), status_code=500, headers=headers)
+    finally:
+        if events is not None:
+            await events.aclose()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    parts, param = [], None
+    for error in errors:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        if error.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
+    """Answer every error in the OpenAI shape, and count it."""
+
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(error.status_code)).inc()
+        log_request(endpoint=request.url.path, status=error.status_code, error=repr(error.message))
+        return JSONResponse(error.body(), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return answer(request, APIError(400, message, "invalid_request_error", param))
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return answer(request, APIError(exc.status_code, str(exc.detail), err_type))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled_error path=%s", request.url.path, exc_info=exc)
+        return answer(request, APIError(500, "internal error in the router; see its log", "server_error"))
+
+
+def load_model(settings: RouterSettings) -> tuple[Tokenizer, ModelConfig]:
+    return Tokenizer.from_dir(settings.model), load_model_config(settings.model)
+
+
+def create_app(
+    settings: RouterSettings,
+    tokenizer: Tokenizer | None = None,
+    model_config: ModelConfig | None = None,
+    metrics: RouterMetrics | None = None,
+) -> FastAPI:
+    """The router app; the tokenizer and config load from ``settings.model`` unless given."""
+    if tokenizer is None or model_config is None:
+        loaded_tokenizer, loaded_config = load_model(settings)
+        tokenizer, model_config = tokenizer or loaded_tokenizer, model_config or loaded_config
+    state = RouterState(settings, tokenizer, model_config, metrics or RouterMetrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.pools = WorkerPools(
+            settings.prefill_workers, settings.decode_workers, settings.routing_policy, state.metrics
+        )
+        await state.pools.start(settings.health_interval_s)
+        logger.info(
+            "router_started model=%s prefill_workers=%d decode_workers=%d",
+            settings.model_name,
+            len(settings.prefill_workers),
+            len(settings.decode_workers),
+        )
+        try:
+            yield
+        finally:
+            await state.pools.close()
+
+    app = FastAPI(title="Cleave router", lifespan=lifespan)
+    app.state.router = state
+    install_error_handlers(app, state.metrics)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        def prepare(request_id: str) -> Prepared:
+            return prepare_completion(body, request_id, state.model_info(), state.tokenizer)
+
+        return await serve_generation(state, request, prepare, CompletionFormat, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        def prepare(request_id: str) -> Prepared:
+            return prepare_chat(body, request_id, state.model_info(), state.tokenizer)
+
+        return await serve_generation(state, request, prepare, ChatFormat, "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        info = state.model_info()
+        card = ModelCard(id=info.name, created=0, root=settings.model, max_model_len=info.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        assert state.pools is not None
+        pools = {"prefill": state.pools.prefill, "decode": state.pools.decode}
+        body = {
+            role: [{"address": w.address, "healthy": w.healthy} for w in pool.workers] for role, pool in pools.items()
+        }
+        healthy = bool(state.pools.decode.healthy_workers())
+        return JSONResponse({"status": "ok" if healthy else "unavailable", **body}, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

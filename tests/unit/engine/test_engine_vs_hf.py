@@ -1,0 +1,165 @@
+"""The engine against Hugging Face transformers, token for token, on random-weight checkpoints.
+
+Small budgets force chunked prefill, prefix-cache hits and preemption; every
+block must be free or evictable at the end.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shared.engine import LLM, SamplingParams
+from shared.engine.sampling_params import InvalidRequestError
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+MAX_TOKENS = 10
+
+
+def make_prompts(vocab_size: int, avoid: set[int], count: int = 18, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in avoid]
+    shared_prefix = [rng.choice(allowed) for _ in range(24)]
+    prompts = []
+    for i in range(count):
+        tail = [rng.choice(allowed) for _ in range(rng.randint(1, 30))]
+        prompts.append(shared_prefix + tail if i % 3 == 0 else tail + [rng.choice(allowed)])
+    return prompts
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+            outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def small_llm(model_dir, **kwargs) -> LLM:
+    settings = dict(block_size=4, num_blocks=48, max_num_batched_tokens=40, max_num_seqs=16, dtype="float32")
+    settings.update(kwargs)
+    return LLM(model=str(model_dir), **settings)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_with_chunking_prefix_hits_and_preemption(checkpoint_factory, arch):
+    model_dir = checkpoint_factory(arch)
+    llm = small_llm(model_dir)
+    cfg = llm.engine.model_config
+    prompts = make_prompts(cfg.vocab_size, set(cfg.eos_token_ids) | {cfg.bos_token_id})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} diverged from transformers"
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0, "the small KV budget should have forced preemption"
+    assert stats.prefix_cache_hits > 0, "prompts sharing a 24-token prefix should hit the prefix cache"
+    assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
+
+
+def test_logits_match_hf(checkpoint_factory):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = checkpoint_factory("qwen2")
+    llm = small_llm(model_dir)
+    prompt = make_prompts(llm.engine.model_config.vocab_size, set(), count=1, seed=3)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0, -1]
+    ref = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(ref, 5)
+    got = out.logprobs[0]
+    assert list(got)[:1] == [int(top.indices[0])]
+    for token_id, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+        assert abs(got[token_id] - lp) < 1e-4
+
+
+def test_prefix_hit_computes_only_uncached_tokens(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"), num_blocks=64)
+    prompt = list(range(10, 10 + 37))  # 9 full blocks of 4, then 1 token
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    before = llm.engine.stats().num_prompt_tokens_computed
+    second = llm.generate([prompt[:36] + [99]], params)[0]
+    computed = llm.engine.stats().num_prompt_tokens_computed - before
+    assert second.num_cached_tokens == 36
+    assert computed == 1  # only the uncached last token
+    assert first.num_cached_tokens == 0
+
+
+def test_n2_greedy_shares_prompt_blocks_and_matches(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"))
+    prompt = list(range(5, 23))  # 18 tokens: a partially filled last block is shared, then copied on write
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, n=2, ignore_eos=True))[0]
+    single = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [single.outputs[0].token_ids] * 2
+    assert llm.engine.stats().num_free_blocks == llm.engine.num_blocks
+
+
+def test_seeded_sampling_is_reproducible(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"))
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=123, n=2, ignore_eos=True)
+    a = llm.generate(["hello there", "the cat"], params)
+    b = llm.generate(["the cat"], params)
+    assert [c.token_ids for c in a[1].outputs] == [c.token_ids for c in b[0].outputs]
+    assert a[1].outputs[0].token_ids != a[1].outputs[1].token_ids  # children draw different noise
+
+
+def test_stop_string_is_excluded_and_finishes(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"))
+    full = llm.generate(["the weather"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    text = full.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop
+    out = llm.generate(["the weather"], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True))
+    completion = out[0].outputs[0]
+    assert completion.text == text[: text.index(stop)]
+    assert completion.finish_reason == "stop"
+    assert llm.engine.stats().num_free_blocks == llm.engine.num_blocks
+
+
+def test_bad_inputs_are_refused_and_engine_keeps_serving(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"))
+    vocab = llm.engine.model_config.vocab_size
+    cases = [
+        ([[]], SamplingParams(), "empty"),
+        ([list(range(1, 1000))], SamplingParams(), "maximum context length"),
+        ([[1, 2, vocab + 5]], SamplingParams(), "outside the vocabulary"),
+    ]
+    for prompts, params, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            llm.generate(prompts, params)
+    for kwargs in [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -5}, {"min_p": 2}]:
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**kwargs)
+    # A bad prompt in a batch rejects the batch before anything is queued.
+    with pytest.raises(InvalidRequestError):
+        llm.generate([[1, 2, 3], []], SamplingParams())
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_abort_mid_generation_frees_blocks(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"))
+    core = llm.engine
+    core.add_request("a", list(range(3, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
+    core.add_request("b", list(range(3, 20)), SamplingParams(max_tokens=50, ignore_eos=True, n=2))
+    for _ in range(4):
+        core.step()
+    assert core.stats().num_free_blocks < core.num_blocks
+    assert core.abort("a") and core.abort("b") and core.abort("b/1")
+    assert not core.has_unfinished()
+    assert core.stats().num_free_blocks == core.num_blocks
