@@ -9,6 +9,7 @@ outputs are identical to a Hugging Face run of the same checkpoint.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 # Named special tokens a chat template may refer to (``bos_token`` etc.).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
+BYTE_FALLBACK_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class TokenizerLoadError(ValueError):
@@ -127,6 +129,7 @@ class Tokenizer:
         self._clean_up_spaces = bool(self._config.get("clean_up_tokenization_spaces", False)) and (
             type(backend.model).__name__ != "BPE"
         )
+        self.byte_fallback_ids = self._find_byte_fallback_ids()
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.pad_token_id = self._special_id("pad_token")
@@ -150,6 +153,13 @@ class Tokenizer:
     def _special_id(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
         return None if content is None else self._backend.token_to_id(content)
+
+    def _find_byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of ``<0xNN>`` tokens of a byte-fallback (sentencepiece-style) BPE model."""
+        if not getattr(self._backend.model, "byte_fallback", False):
+            return frozenset()
+        vocab = self._backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for token, i in vocab.items() if BYTE_FALLBACK_TOKEN.fullmatch(token))
 
     @property
     def vocab_size(self) -> int:
@@ -234,7 +244,7 @@ class IncrementalDetokenizer:
 
     The concatenation of every ``add`` result and the final ``flush`` equals
     ``tokenizer.decode(output_ids, skip_special_tokens)``. Each step decodes a
-    short window: the tokens already emitted in the previous step (context, so
+    short window: the tokens emitted in the last visible step (context, so
     decoders that treat a leading token specially stay consistent) plus the
     tokens not yet emitted. Text ending in U+FFFD is held back: it is usually a
     multi-byte character whose remaining bytes arrive with the next token.
@@ -242,6 +252,10 @@ class IncrementalDetokenizer:
     ``prompt_ids`` is accepted so callers can hand over the request as is; the
     output text is defined without it, as Hugging Face's ``decode`` of the
     generated ids alone.
+
+    Byte-fallback tokenizers decode a run of ``<0xNN>`` tokens as one unit and
+    turn the whole run into U+FFFD if any byte in it is invalid, so a run is
+    held back until a regular token ends it.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
@@ -251,6 +265,8 @@ class IncrementalDetokenizer:
         self.output_ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = 0  # tokens before this have been emitted
+        self._skipped_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
+        self._in_byte_run = False
 
     def _delta(self) -> str:
         decode = self._tokenizer.decode
@@ -260,14 +276,29 @@ class IncrementalDetokenizer:
         window_text = decode(window, self._skip_special_tokens)
         return window_text[len(context_text) :] if len(window_text) > len(context_text) else ""
 
+    def _advance(self) -> None:
+        """Mark every token emitted; the just-emitted ones become the next window's context.
+
+        The context must decode to visible text: decoders that strip the first
+        token's leading space would otherwise strip a space the full decode keeps
+        (e.g. after a skipped special token), so an invisible step keeps the old context.
+        """
+        new_context = self.output_ids[self._read_offset :]
+        if self._tokenizer.decode(new_context, self._skip_special_tokens):
+            self._prefix_offset = self._read_offset
+        self._read_offset = len(self.output_ids)
+
     def add(self, token_id: int) -> str:
         """Append one generated token; return the text that became stable."""
         self.output_ids.append(token_id)
+        if token_id not in self._skipped_ids:  # skipped tokens vanish before decoding, so runs span them
+            self._in_byte_run = token_id in self._tokenizer.byte_fallback_ids
+        if self._in_byte_run:
+            return ""
         delta = self._delta()
         if delta.endswith(REPLACEMENT_CHAR):
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.output_ids)
+        self._advance()
         return delta
 
     def flush(self) -> str:
@@ -275,8 +306,7 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self.output_ids):
             return ""
         delta = self._delta()
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.output_ids)
+        self._advance()
         return delta
 
 

@@ -231,6 +231,16 @@ class KVConnector(ABC):
             self.seconds_total += seconds
         return TransferStats(num_bytes=num_bytes, seconds=seconds, num_descriptors=len(runs))
 
+    def remove_peer(self, peer_id: str) -> bool:
+        """Forget a peer (e.g. a prefill worker that left) and drop its connection; False if unknown."""
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return False
+        self._disconnect_peer(peer)
+        logger.info("kv_peer_removed backend=%s peer=%s", self.backend_name, peer_id)
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Stop serving and release backend resources. Safe to call twice."""
@@ -250,6 +260,10 @@ class KVConnector(ABC):
     @abstractmethod
     def _connect_peer(self, peer: RemotePeer) -> None:
         """Prepare to read from `peer` (load agent metadata, ...); raise KVTransferError on failure."""
+
+    @abstractmethod
+    def _disconnect_peer(self, peer: RemotePeer) -> None:
+        """Release what `_connect_peer` set up; never raises."""
 
     @abstractmethod
     def _read_runs(self, peer: RemotePeer, runs: list[BlockRun]) -> None:

@@ -71,7 +71,9 @@ class NixlConnector(KVConnector):
         super().__init__(kv_cache, peer_info, timeout_s=timeout_s)
         nixl = import_nixl()
         self.module_name = nixl.__name__
-        self.ucx_tls = os.environ.setdefault("UCX_TLS", DEFAULT_UCX_TLS)
+        if not os.environ.get("UCX_TLS"):  # an empty value makes UCX refuse to start
+            os.environ["UCX_TLS"] = DEFAULT_UCX_TLS
+        self.ucx_tls = os.environ["UCX_TLS"]
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.base_addr = kv_cache.data_ptr()
@@ -128,6 +130,13 @@ class NixlConnector(KVConnector):
                 self._agent.make_connection(peer.peer_id)
         except Exception as exc:  # the first transfer connects anyway
             logger.warning("nixl_connect_failed peer=%s error=%r", peer.peer_id, exc)
+
+    def _disconnect_peer(self, peer: RemotePeer) -> None:
+        try:
+            with self._agent_lock:
+                self._agent.remove_remote_agent(peer.peer_id)
+        except Exception as exc:
+            logger.debug("nixl_remove_peer_failed peer=%s error=%r", peer.peer_id, exc)
 
     def _descriptors(self, runs: list[BlockRun], peer: RemotePeer) -> tuple[np.ndarray, np.ndarray]:
         """Local and remote descriptor arrays, one (addr, len, device_id) row per run."""

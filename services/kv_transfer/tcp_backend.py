@@ -208,9 +208,18 @@ class TcpConnector(KVConnector):
         with self._lock:
             self._connections.setdefault(peer.peer_id, _PeerConnection(host, port))
 
+    def _disconnect_peer(self, peer: RemotePeer) -> None:
+        with self._lock:
+            connection = self._connections.pop(peer.peer_id, None)
+        if connection is not None:
+            with connection.lock:
+                connection.reset()
+
     def _read_runs(self, peer: RemotePeer, runs: list[BlockRun]) -> None:
         with self._lock:
-            connection = self._connections[peer.peer_id]
+            connection = self._connections.get(peer.peer_id)
+        if connection is None:
+            raise KVTransferError(f"KV peer {peer.peer_id!r} was removed")
         deadline = time.monotonic() + self.timeout_s
         endpoint = f"{connection.host}:{connection.port}"
         with connection.lock:

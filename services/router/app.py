@@ -141,7 +141,9 @@ async def until_disconnect(request: Request, work: Awaitable) -> object:
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
-async def _sse_body(run: RequestRun, fmt: Format, first: ChoiceDelta | None, events: AsyncIterator) -> AsyncIterator[str]:
+async def _sse_body(
+    run: RequestRun, fmt: Format, first: ChoiceDelta | None, events: AsyncIterator
+) -> AsyncIterator[str]:
     status, done = 200, False
     try:
         for chunk in fmt.opening_chunks():

@@ -151,12 +151,16 @@ async def _decode(ctx: CallContext, request: worker_pb2.GenerateRequest) -> Asyn
                 async for response in call:
                     received = True
                     if response.finish_reason == "abort":
-                        raise APIError(503, f"decode worker {worker.address} aborted the request", "service_unavailable")
+                        raise APIError(
+                            503, f"decode worker {worker.address} aborted the request", "service_unavailable"
+                        )
                     finished = bool(response.finish_reason)
                     yield response
                     if finished:
                         return
-                raise APIError(500, f"decode worker {worker.address} ended the stream without a finish reason", "server_error")
+                raise APIError(
+                    500, f"decode worker {worker.address} ended the stream without a finish reason", "server_error"
+                )
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or received:
                     raise rpc_error(e, "decode", worker.address) from None
@@ -188,18 +192,18 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncIterator[wor
                 yield response
         return
     prefill_worker, first = prefilled
-    yield worker_pb2.GenerateResponse(
-        tokens=[first.first_token],
-        finish_reason=first.finish_reason,
-        num_prompt_tokens=first.num_prompt_tokens,
-        num_cached_tokens=first.num_cached_tokens,
-    )
-    if first.finish_reason or not first.HasField("kv_handle"):
-        return
-    request.first_token.CopyFrom(first.first_token)
-    request.kv_handle.CopyFrom(first.kv_handle)
-    finished = False
+    finished = bool(first.finish_reason) or not first.HasField("kv_handle")
     try:
+        yield worker_pb2.GenerateResponse(
+            tokens=[first.first_token],
+            finish_reason=first.finish_reason,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        if finished:
+            return
+        request.first_token.CopyFrom(first.first_token)
+        request.kv_handle.CopyFrom(first.kv_handle)
         async with aclosing(_decode(ctx, request)) as responses:
             async for response in responses:
                 finished = bool(response.finish_reason)

@@ -70,7 +70,9 @@ class Prepared:
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
     if requested is not None and requested != model.name:
-        raise APIError(404, f"The model `{requested}` does not exist.", "invalid_request_error", "model", "model_not_found")
+        raise APIError(
+            404, f"The model `{requested}` does not exist.", "invalid_request_error", "model", "model_not_found"
+        )
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

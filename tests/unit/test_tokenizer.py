@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from shared.models.demo import write_tokenizer_files
@@ -156,6 +158,49 @@ def test_streamed_text_equals_decode_for_random_token_sequences(ours):
         ids = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
         skip = rng.random() < 0.5
         assert "".join(stream(ours, ids, skip)) == ours.decode(ids, skip), ids
+
+
+def metaspace_tokenizer(corpus: list[str]) -> Tokenizer:
+    """Metaspace pre-tokenizer and decoder: the first token's leading space is dropped."""
+    backend = BackendTokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    backend.train_from_iterator(corpus, trainer=trainer)
+    return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def byte_fallback_tokenizer(corpus: list[str]) -> Tokenizer:
+    """Llama-2 style: <0xNN> byte tokens, a ByteFallback/Fuse/Strip decoder chain."""
+    trained = metaspace_tokenizer(corpus)._backend
+    spec = json.loads(trained.to_str())["model"]
+    vocab = dict(spec["vocab"])
+    vocab.update({f"<0x{b:02X}>": len(spec["vocab"]) + b for b in range(256)})
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+@pytest.mark.parametrize("build", [metaspace_tokenizer, byte_fallback_tokenizer])
+def test_streaming_with_sentencepiece_style_decoders(ours, build):
+    """Leading-space stripping and byte-fallback runs (whole run -> U+FFFD if invalid) stream exactly."""
+    tokenizer = build([ours.decode(ours.encode(t)) for t in TEXTS[:5]] * 3)
+    rng = random.Random(1)
+    byte_ids = sorted(tokenizer.byte_fallback_ids) or list(range(3, 40))
+    for _ in range(300):
+        pool = range(tokenizer.vocab_size) if rng.random() < 0.5 else byte_ids + [1, 2, 5, 6]
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 25))]
+        skip = rng.random() < 0.5
+        assert "".join(stream(tokenizer, ids, skip)) == tokenizer.decode(ids, skip), ids
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        deltas = stream(tokenizer, ids)
+        assert "".join(deltas) == tokenizer.decode(ids) and not any("\ufffd" in d for d in deltas), text
 
 
 def test_find_stop():

@@ -175,6 +175,14 @@ def test_pull_copies_exact_bytes(prefill_peer, backend, dtype):
         assert connector.failures_total == 0 and connector.seconds_total > 0
         assert connector.pull(peer_id, [], []).num_bytes == 0
 
+        # A removed peer is unknown until added again.
+        assert connector.remove_peer(peer_id) and not connector.remove_peer(peer_id)
+        with pytest.raises(KVTransferError, match="add_peer"):
+            connector.pull(peer_id, [7], [7])
+        assert connector.add_peer(prefill_peer[(backend, dtype)]) == peer_id
+        connector.pull(peer_id, [7], [7])
+        assert same_bytes(local[7], expected[7])
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_pulls(prefill_peer, backend):
@@ -218,6 +226,47 @@ def test_bad_block_ids_and_unknown_peer(prefill_peer, backend):
 def test_auto_backend_prefers_nixl():
     with decode_connector("auto", "float32") as connector:
         assert connector.backend_name == ("nixl" if HAS_NIXL else "tcp")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pull_between_cuda_caches():
+    backends = available_backends()
+    peer = PeerProcess([{**spec(backend, "bfloat16"), "device": "cuda"} for backend in backends])
+    try:
+        expected = expected_cache("bfloat16").cuda()
+        for backend, metadata in zip(backends, peer.metadata, strict=True):
+            kv_cache = torch.zeros(peer_proc.kv_shape(BLOCK_SIZE), dtype=torch.bfloat16, device="cuda")
+            peer_info = make_peer_info(kv_cache, model_id=peer_proc.MODEL_ID, role="decode")
+            with create_connector(kv_cache, peer_info, backend=backend) as connector:
+                stats = connector.pull(connector.add_peer(metadata), [3, 4, 5, 9], [10, 11, 12, 0])
+                torch.cuda.synchronize()
+                assert stats.num_descriptors == 2
+                assert same_bytes(kv_cache[10:13], expected[3:6]) and same_bytes(kv_cache[0], expected[9]), backend
+    finally:
+        peer.stop()
+
+
+def test_auto_falls_back_to_tcp_without_nixl(monkeypatch):
+    from services.kv_transfer import nixl_backend
+
+    def unavailable():
+        raise NixlUnavailableError("no NIXL module imports (test)")
+
+    monkeypatch.setattr(nixl_backend, "import_nixl", unavailable)
+    with decode_connector("auto", "float32") as connector:
+        assert connector.backend_name == "tcp"
+    with pytest.raises(RuntimeError, match="install nixl-cu12.*--kv-transfer-backend tcp"):
+        decode_connector("nixl", "float32")
+
+
+def test_peer_info_must_describe_the_cache():
+    kv_cache = torch.zeros(peer_proc.kv_shape(BLOCK_SIZE))
+    wrong = make_peer_info(torch.zeros(peer_proc.kv_shape(8)), model_id=peer_proc.MODEL_ID)
+    with pytest.raises(ValueError, match="does not describe kv_cache"):
+        create_connector(kv_cache, wrong, backend="tcp")
+    with pytest.raises(ValueError, match="unknown KV transfer backend"):
+        create_connector(kv_cache, make_peer_info(kv_cache, model_id="m"), backend="rdma")
 
 
 # --- compatibility --------------------------------------------------------------------

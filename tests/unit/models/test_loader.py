@@ -116,3 +116,32 @@ def test_unsupported_rope_type_fails_at_load(llama_dir, rope_type):
     edit_config(llama_dir, rope_parameters={"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ModelLoadError, match=f"rope type '{rope_type}' is not supported"):
         load_model(llama_dir)
+
+
+def test_demo_model_loads_and_matches_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shared.kernels.torch_ref import TorchAttentionBackend
+    from shared.models.demo import DEMO_MODEL_SIZES, write_demo_model
+    from shared.tokenizer import Tokenizer
+    from tests.helpers.paged import PagedSequences
+
+    model_dir = write_demo_model(tmp_path / "demo")
+    model, config = load_model(model_dir)
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (
+        DEMO_MODEL_SIZES.hidden_size,
+        DEMO_MODEL_SIZES.num_hidden_layers,
+        DEMO_MODEL_SIZES.num_attention_heads,
+        DEMO_MODEL_SIZES.num_key_value_heads,
+    )
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert config.vocab_size == tokenizer.vocab_size == 4096
+    assert set(config.eos_token_ids) == {tokenizer.eos_token_id, tokenizer.token_to_id("<|im_end|>")}
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Where is the market?"}])
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert ids[0] == tokenizer.bos_token_id
+    ours = PagedSequences(model, TorchAttentionBackend(), block_size=16, max_len=len(ids)).step({0: ids})[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
