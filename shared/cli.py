@@ -92,9 +92,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )  # fmt: skip
         config = engine_config_from_args(args)
         llm = LLM(**{k: v for k, v in vars(config).items()})
-        prompt = args.prompt
+        prompt: str | list[int] = args.prompt
         if args.chat:
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            # The template carries its own special tokens; encode it without adding more.
+            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+            prompt = llm.tokenizer.encode(text, add_special_tokens=False)
         (result,) = llm.generate([prompt], params)
     except (InvalidRequestError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

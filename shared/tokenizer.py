@@ -130,6 +130,7 @@ class Tokenizer:
             type(backend.model).__name__ != "BPE"
         )
         self.byte_fallback_ids = self._find_byte_fallback_ids()
+        self._special_ids = sorted(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.pad_token_id = self._special_id("pad_token")
@@ -169,7 +170,7 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         """Ids of added tokens flagged special: exactly those ``decode(skip_special_tokens=True)`` drops."""
-        return sorted(i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special)
+        return list(self._special_ids)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

@@ -239,7 +239,8 @@ class TcpConnector(KVConnector):
 
     def _exchange(self, connection: _PeerConnection, runs: list[BlockRun], deadline: float) -> None:
         if connection.sock is None:
-            connection.sock = socket.create_connection((connection.host, connection.port), timeout=self.timeout_s)
+            address = (connection.host, connection.port)
+            connection.sock = socket.create_connection(address, timeout=max(deadline - time.monotonic(), 1e-3))
             connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = connection.sock
         request = _REQUEST.pack(_REQUEST_MAGIC, WIRE_VERSION, len(runs), self.block_bytes)

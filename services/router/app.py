@@ -166,6 +166,11 @@ async def _sse_body(
         logger.warning("stream_failed request_id=%s status=%d error=%r", run.prep.request_id, status, e.message)
         yield sse(e.body())
         yield SSE_DONE
+    except Exception:
+        status, done = 500, True
+        logger.exception("stream_failed request_id=%s", run.prep.request_id)
+        yield sse(APIError(500, "internal error in the router; see its log", "server_error").body())
+        yield SSE_DONE
     finally:
         await events.aclose()
         run.finish(status if done else CLIENT_CLOSED)

@@ -32,6 +32,14 @@ ABORT_TIMEOUT_S = 5.0
 # How soon an on-demand refresh may repeat when no worker is healthy.
 MIN_REFRESH_GAP_S = 0.25
 
+# gRPC's default reconnect backoff grows to two minutes, which would hide a worker that
+# starts after the router; health polls every few seconds want a prompt retry instead.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
 
@@ -57,7 +65,7 @@ class WorkerClient:
     def __init__(self, address: str, role: str) -> None:
         self.address = address
         self.role = role
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == PREFILL else worker_pb2_grpc.DecodeWorkerStub
         self.stub = stub_cls(self.channel)
         self.healthy = False

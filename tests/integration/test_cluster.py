@@ -41,8 +41,9 @@ def reference(model_dir):
     llm = LLM(model=str(model_dir), dtype="float32", num_blocks=256)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     texts = {p: llm.generate([p], params)[0].outputs[0].text for p in PROMPTS}
-    chat_prompt = llm.tokenizer.apply_chat_template(CHAT)
-    texts["chat"] = llm.generate([chat_prompt], params)[0].outputs[0].text
+    # The template already carries BOS: like the router, do not add special tokens again.
+    chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
+    texts["chat"] = llm.generate([chat_ids], params)[0].outputs[0].text
     return texts
 
 
@@ -87,14 +88,6 @@ def wait_all_free(*procs, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still in use: {stats}")
         time.sleep(0.2)
-
-
-def model_name(model_dir) -> str:
-    return client_models(model_dir)
-
-
-def client_models(model_dir) -> str:
-    return model_dir.name
 
 
 def test_completions_and_chat_match_offline(cluster, reference, model_dir):

@@ -12,6 +12,8 @@ import importlib.util
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -64,7 +66,14 @@ class PeerProcess:
             cwd=REPO_ROOT,
             env=env,
         )
-        self.metadata = self._read_metadata()
+        self._metadata: list[bytes] | None = None
+
+    @property
+    def metadata(self) -> list[bytes]:
+        """Waits for the process to publish its metadata (start several processes before asking)."""
+        if self._metadata is None:
+            self._metadata = self._read_metadata()
+        return self._metadata
 
     def _read_metadata(self) -> list[bytes]:
         assert self.proc.stdout is not None
@@ -103,13 +112,25 @@ def available_backends() -> list[str]:
     return ["tcp", "nixl"] if HAS_NIXL else ["tcp"]
 
 
+PREFILL_KEYS = [(backend, dtype) for backend in available_backends() for dtype in DTYPES]
+
+
 @pytest.fixture(scope="module")
-def prefill_peer():
-    """One prefill process serving every (backend, dtype) pair; yields {(backend, dtype): metadata}."""
-    keys = [(backend, dtype) for backend in available_backends() for dtype in DTYPES]
-    peer = PeerProcess([spec(backend, dtype) for backend, dtype in keys])
-    yield dict(zip(keys, peer.metadata, strict=True))
-    peer.stop()
+def peer_processes():
+    """Both helper processes, started together so their start-up overlaps: (prefill, victim)."""
+    prefill = PeerProcess([spec(backend, dtype) for backend, dtype in PREFILL_KEYS])
+    victim = PeerProcess([spec(backend, "float32") for backend in available_backends()])
+    yield prefill, victim
+    for peer in (prefill, victim):
+        if peer.proc.poll() is None:
+            peer.signal(signal.SIGCONT)
+        peer.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill_peer(peer_processes):
+    """One prefill process serving every (backend, dtype) pair: {(backend, dtype): metadata}."""
+    return dict(zip(PREFILL_KEYS, peer_processes[0].metadata, strict=True))
 
 
 def decode_connector(backend: str, dtype: str, block_size: int = BLOCK_SIZE, timeout_s: float = 5.0) -> KVConnector:
@@ -307,10 +328,46 @@ def test_incompatible_peer_is_refused(prefill_peer, backend):
 # --- faults ---------------------------------------------------------------------------
 
 
-def test_stopped_or_killed_peer_fails_within_timeout():
+def _misbehaving_server(reply: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A one-shot server that reads a request, sends `reply` and hangs up."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+@pytest.mark.parametrize(
+    "reply, error",
+    [
+        (struct.pack("!4sHHQ", b"CKVR", 1, 0, 2048) + b"x" * 1000, "closed after 1000 of 2048 bytes"),
+        (struct.pack("!4sHHQ", b"HTTP", 1, 0, 2048), "magic"),
+        (struct.pack("!4sHHQ", b"CKVR", 1, 0, 999), "announced 999 bytes, expected 2048"),
+        (struct.pack("!4sHHQ", b"CKVR", 1, 1, 4) + b"nope", "peer refused the pull: nope"),
+    ],
+)
+def test_tcp_short_or_bad_replies_fail_cleanly(reply, error):
+    server, thread = _misbehaving_server(reply)
+    with decode_connector("tcp", "float32") as prefill, decode_connector("tcp", "float32") as decode:
+        envelope = json.loads(prefill.local_metadata())
+        envelope["backend"]["port"] = server.getsockname()[1]
+        peer_id = decode.add_peer(json.dumps(envelope).encode())
+        with pytest.raises(KVTransferError, match=error):
+            decode.pull(peer_id, [0, 1], [0, 1])
+    thread.join(timeout=5)
+    server.close()
+
+
+def test_stopped_or_killed_peer_fails_within_timeout(peer_processes):
     """A frozen peer (SIGSTOP) times out, then recovers (SIGCONT); a dead one (SIGKILL) fails fast."""
     backends = available_backends()
-    peer = PeerProcess([spec(backend, "float32") for backend in backends])
+    peer = peer_processes[1]
     connectors = [decode_connector(backend, "float32", timeout_s=1.0) for backend in backends]
     try:
         peer_ids = [c.add_peer(m) for c, m in zip(connectors, peer.metadata, strict=True)]

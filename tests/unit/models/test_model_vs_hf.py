@@ -69,6 +69,7 @@ def test_mixed_batch_of_prefill_chunk_and_decode_matches_hf(checkpoint_factory):
 
 def test_bfloat16_logits_close_to_hf(checkpoint_factory):
     model_dir = checkpoint_factory("llama3", dtype="bfloat16")
+    assert load_model_config(model_dir).torch_dtype == "bfloat16"
     (whole, chunked, decoded), tokens = run_whole_then_chunked(model_dir)  # auto -> bfloat16
     ref = hf_logits(model_dir, tokens, dtype=torch.bfloat16)
     ours = torch.cat([chunked, decoded])

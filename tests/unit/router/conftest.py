@@ -67,7 +67,10 @@ class WorkerScript:
         logprob = -(i + 1) / 10
         top = []
         if sampling.HasField("logprobs"):
-            top = [worker_pb2.TokenLogprob(token_id=token_id + k + 1, logprob=logprob - k - 1) for k in range(sampling.logprobs)]
+            top = [
+                worker_pb2.TokenLogprob(token_id=token_id + k + 1, logprob=logprob - k - 1)
+                for k in range(sampling.logprobs)
+            ]
         token = worker_pb2.TokenOutput(token_id=token_id, logprob=logprob, top_logprobs=top)
         if token_id in sampling.stop_token_ids or (token_id == EOS_ID and not sampling.ignore_eos):
             return token, "stop"
@@ -172,10 +175,10 @@ class _ScriptHolder:
         self.script = script
 
 
-def _serve(servicer, add_fn) -> tuple[grpc.Server, str]:
+def _serve(servicer, add_fn, port: int = 0) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     add_fn(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -249,10 +252,29 @@ def worker_addrs(_holder) -> Iterator[dict[str, str]]:
     prefill, prefill_addr = _serve(
         FakePrefillWorker(lambda: _holder.script), worker_pb2_grpc.add_PrefillWorkerServicer_to_server
     )
-    decode, decode_addr = _serve(FakeDecodeWorker(lambda: _holder.script), worker_pb2_grpc.add_DecodeWorkerServicer_to_server)
+    decode, decode_addr = _serve(
+        FakeDecodeWorker(lambda: _holder.script), worker_pb2_grpc.add_DecodeWorkerServicer_to_server
+    )
     yield {"prefill": prefill_addr, "decode": decode_addr}
     prefill.stop(None)
     decode.stop(None)
+
+
+@pytest.fixture
+def start_decode_worker(_holder) -> Iterator[Callable[[int], str]]:
+    """``start_decode_worker(port)``: one more scripted decode worker, stopped after the test."""
+    servers = []
+
+    def start(port: int) -> str:
+        server, addr = _serve(
+            FakeDecodeWorker(lambda: _holder.script), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, port
+        )
+        servers.append(server)
+        return addr
+
+    yield start
+    for server in servers:
+        server.stop(None)
 
 
 @pytest.fixture(scope="session")
