@@ -80,7 +80,7 @@ class NixlConnector(KVConnector):
         # The agent is created without NIXL's internal locking; every call on it goes through this lock.
         self._agent_lock = threading.Lock()
         self._add_lock = threading.Lock()
-        self._closed = False
+        self._agent: Any = None
         try:
             self._agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(backends=["UCX"]))
             if "UCX" not in self._agent.backends:
@@ -119,7 +119,9 @@ class NixlConnector(KVConnector):
             raise KVCompatibilityError(f"NIXL metadata of peer {peer.peer_id} lacks mem_type/base_addr")
         try:
             with self._agent_lock:
-                agent_name = self._agent.add_remote_agent(b64decode(payload["agent_metadata"]))
+                agent_name = self._open_agent().add_remote_agent(b64decode(payload["agent_metadata"]))
+        except KVTransferError:
+            raise
         except Exception as exc:
             raise KVTransferError(f"could not load NIXL metadata of peer {peer.peer_id}: {exc!r}") from exc
         name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
@@ -127,14 +129,14 @@ class NixlConnector(KVConnector):
             raise KVTransferError(f"NIXL agent metadata names {name!r}, envelope names {peer.peer_id!r}")
         try:
             with self._agent_lock:
-                self._agent.make_connection(peer.peer_id)
+                self._open_agent().make_connection(peer.peer_id)
         except Exception as exc:  # the first transfer connects anyway
             logger.warning("nixl_connect_failed peer=%s error=%r", peer.peer_id, exc)
 
     def _disconnect_peer(self, peer: RemotePeer) -> None:
         try:
             with self._agent_lock:
-                self._agent.remove_remote_agent(peer.peer_id)
+                self._open_agent().remove_remote_agent(peer.peer_id)
         except Exception as exc:
             logger.debug("nixl_remove_peer_failed peer=%s error=%r", peer.peer_id, exc)
 
@@ -154,15 +156,16 @@ class NixlConnector(KVConnector):
         return local, remote
 
     def _read_runs(self, peer: RemotePeer, runs: list[BlockRun]) -> None:
-        if self._closed:
-            raise KVTransferError("NIXL connector is closed")
         local, remote = self._descriptors(runs, peer)
         deadline = time.monotonic() + self.timeout_s
         try:
             with self._agent_lock:
-                local_descs = self._agent.get_xfer_descs(local, self.mem_type)
-                remote_descs = self._agent.get_xfer_descs(remote, peer.payload["mem_type"])
-                handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, peer.peer_id)
+                agent = self._open_agent()
+                local_descs = agent.get_xfer_descs(local, self.mem_type)
+                remote_descs = agent.get_xfer_descs(remote, peer.payload["mem_type"])
+                handle = agent.initialize_xfer("READ", local_descs, remote_descs, peer.peer_id)
+        except KVTransferError:
+            raise
         except Exception as exc:
             raise KVTransferError(f"NIXL READ from peer {peer.peer_id} could not be created: {exc!r}") from exc
         try:
@@ -173,7 +176,7 @@ class NixlConnector(KVConnector):
     def _post_and_wait(self, handle: Any, peer_id: str, deadline: float) -> None:
         try:
             with self._agent_lock:
-                state = self._agent.transfer(handle)
+                state = self._open_agent().transfer(handle)
             delay_s = 20e-6
             while state == "PROC":
                 if time.monotonic() > deadline:
@@ -181,7 +184,7 @@ class NixlConnector(KVConnector):
                 time.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1e-3)
                 with self._agent_lock:
-                    state = self._agent.check_xfer_state(handle)
+                    state = self._open_agent().check_xfer_state(handle)
         except KVTransferError:
             raise
         except Exception as exc:  # nixlRemoteDisconnectError and friends
@@ -189,9 +192,15 @@ class NixlConnector(KVConnector):
         if state != "DONE":
             raise KVTransferError(f"NIXL READ from peer {peer_id} ended in state {state}")
 
+    def _open_agent(self) -> Any:
+        """The agent; call with `_agent_lock` held."""
+        if self._agent is None:
+            raise KVTransferError("NIXL connector is closed")
+        return self._agent
+
     def _release(self, handle: Any, peer_id: str) -> None:
         try:
-            with self._agent_lock:
+            with self._agent_lock:  # the handle keeps its own reference to the native agent
                 handle.release()
         except Exception as exc:
             # NIXL keeps a handle it could not cancel and frees it with the agent.
@@ -199,15 +208,18 @@ class NixlConnector(KVConnector):
 
     def close(self) -> None:
         with self._agent_lock:
-            if self._closed:
-                return
-            self._closed = True
-            for peer_id in list(self._peers):
-                try:
-                    self._agent.remove_remote_agent(peer_id)
-                except Exception as exc:
-                    logger.debug("nixl_remove_peer_failed peer=%s error=%r", peer_id, exc)
+            agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        with self._lock:
+            peer_ids = list(self._peers)
+        for peer_id in peer_ids:
             try:
-                self._agent.deregister_memory(self._registration)
+                agent.remove_remote_agent(peer_id)
             except Exception as exc:
-                logger.warning("nixl_deregister_failed error=%r", exc)
+                logger.debug("nixl_remove_peer_failed peer=%s error=%r", peer_id, exc)
+        try:
+            agent.deregister_memory(self._registration)
+        except Exception as exc:
+            logger.warning("nixl_deregister_failed error=%r", exc)
+        # Dropping the last reference destroys the agent (unless a transfer handle still holds it).

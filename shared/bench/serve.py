@@ -1,0 +1,164 @@
+"""``cleave bench serve``: load an OpenAI-compatible server and report latencies.
+
+Requests arrive as a Poisson process (``--request-rate``, ``inf`` for one
+burst), each a streamed ``/v1/completions`` call with token-id prompts from the
+throughput workload (optionally mixed with long prompts), EOS ignored. Prints
+JSON in the conventions of vLLM's serving benchmark (ms; mean/median/p99 of
+TTFT, TPOT, ITL and end-to-end latency). With ``--worker-metrics URL``
+(repeatable), KV transfer bytes and seconds per request are read from the
+workers' Prometheus endpoints before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from shared.bench.workload import BenchRequest, make_workload
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+async def one_request(client, url: str, model: str, req: BenchRequest) -> Result:
+    body = {
+        "model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    result = Result(prompt_tokens=len(req.prompt_token_ids))
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+        result.e2el = time.perf_counter() - start
+        result.ok = True
+    except Exception as e:  # a failed request is counted, not fatal
+        result.error = repr(e)
+    return result
+
+
+def _scrape(urls: list[str]) -> dict[str, float]:
+    totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0}
+    names = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_total": "seconds",
+             "cleave_kv_transfers_total": "transfers"}  # fmt: skip
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in names:
+                    totals[names[name]] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _summary(values: list[float], prefix: str) -> dict[str, float]:
+    ms = sorted(v * 1000 for v in values) or [0.0]
+    p99 = ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
+    return {f"mean_{prefix}_ms": statistics.fmean(ms), f"median_{prefix}_ms": statistics.median(ms),
+            f"p99_{prefix}_ms": p99}  # fmt: skip
+
+
+async def run(args, workload: list[BenchRequest]) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        model = args.model or (await client.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
+        url = args.base_url + "/v1/completions"
+        rng = random.Random(args.seed)
+        semaphore = asyncio.Semaphore(args.max_concurrency or len(workload))
+
+        async def limited(req):
+            async with semaphore:
+                return await one_request(client, url, model, req)
+
+        start = time.perf_counter()
+        tasks = []
+        for req in workload:
+            tasks.append(asyncio.create_task(limited(req)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    report = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
+        **_summary([r.ttft for r in ok], "ttft"), **_summary(tpots, "tpot"),
+        **_summary([x for r in ok for x in r.itls], "itl"), **_summary([r.e2el for r in ok], "e2el"),
+    }  # fmt: skip
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        report["first_error"] = errors[0]
+    return report
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="cleave bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = burst")
+    parser.add_argument("--max-concurrency", type=int, default=0, help="cap on requests in flight (0: none)")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--long-prompt-fraction", type=float, default=0.1, help="share of prompts from --long-prompt-len")
+    parser.add_argument("--long-prompt-len", type=int, nargs=2, default=(1024, 2048), metavar=("MIN", "MAX"))
+    parser.add_argument("--vocab-size", type=int, default=4000, help="token ids are drawn below this")
+    parser.add_argument("--avoid-token", type=int, action="append", default=[], help="token id never to put in prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker-metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
+    parser.add_argument("--label", default="", help="free text copied into the JSON")
+    args = parser.parse_args(argv)
+    workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), args.vocab_size,
+                             args.seed, frozenset(args.avoid_token), args.long_prompt_fraction,
+                             tuple(args.long_prompt_len))  # fmt: skip
+    before = _scrape(args.worker_metrics)
+    report = asyncio.run(run(args, workload))
+    if args.worker_metrics:
+        after = _scrape(args.worker_metrics)
+        n = max(report["completed"], 1)
+        report["kv_transfer_bytes_per_request"] = (after["bytes"] - before["bytes"]) / n
+        report["kv_transfer_ms_per_request"] = 1000 * (after["seconds"] - before["seconds"]) / n
+        report["kv_transfers"] = after["transfers"] - before["transfers"]
+    report = {"label": args.label, "base_url": args.base_url, "request_rate": args.request_rate,
+              "num_prompts": args.num_prompts, **{k: round(v, 3) if isinstance(v, float) else v
+                                                  for k, v in report.items()}}  # fmt: skip
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0 if report["failed"] == 0 else 1
