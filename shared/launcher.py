@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             common += ["--metrics-port", "0"]
         pending = [cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)]
         pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
-        router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port)]
+        router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
+                       "--served-model-name", Path(args.model).name]  # fmt: skip
         for proc in pending:
             info = cluster.wait_ready_line(proc)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"

@@ -209,17 +209,17 @@ class NixlConnector(KVConnector):
     def close(self) -> None:
         with self._agent_lock:
             agent, self._agent = self._agent, None
-        if agent is None:
-            return
-        with self._lock:
-            peer_ids = list(self._peers)
-        for peer_id in peer_ids:
+            if agent is None:
+                return
+            with self._lock:
+                peer_ids = list(self._peers)
+            for peer_id in peer_ids:
+                try:
+                    agent.remove_remote_agent(peer_id)
+                except Exception as exc:
+                    logger.debug("nixl_remove_peer_failed peer=%s error=%r", peer_id, exc)
             try:
-                agent.remove_remote_agent(peer_id)
+                agent.deregister_memory(self._registration)
             except Exception as exc:
-                logger.debug("nixl_remove_peer_failed peer=%s error=%r", peer_id, exc)
-        try:
-            agent.deregister_memory(self._registration)
-        except Exception as exc:
-            logger.warning("nixl_deregister_failed error=%r", exc)
+                logger.warning("nixl_deregister_failed error=%r", exc)
         # Dropping the last reference destroys the agent (unless a transfer handle still holds it).

@@ -196,6 +196,7 @@ class TcpConnector(KVConnector):
         self.host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
         self.port = self._server.port
         self._connections: dict[str, _PeerConnection] = {}
+        self._closed = False
         logger.info("kv_tcp_server_ready name=%s endpoint=%s:%d", self.name, self.host, self.port)
 
     def _backend_metadata(self) -> dict[str, Any]:
@@ -217,6 +218,8 @@ class TcpConnector(KVConnector):
 
     def _read_runs(self, peer: RemotePeer, runs: list[BlockRun]) -> None:
         with self._lock:
+            if self._closed:
+                raise KVTransferError("TCP KV connector is closed")
             connection = self._connections.get(peer.peer_id)
         if connection is None:
             raise KVTransferError(f"KV peer {peer.peer_id!r} was removed")
@@ -277,6 +280,7 @@ class TcpConnector(KVConnector):
     def close(self) -> None:
         self._server.close()
         with self._lock:
+            self._closed = True
             connections = list(self._connections.values())
         for connection in connections:
             sock = connection.sock

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -181,6 +182,26 @@ async def _collect(run: RequestRun, events: AsyncIterator) -> None:
         run.add(delta)
 
 
+def start_choices(state: RouterState, run: RequestRun, incoming_traceparent: str | None) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of every choice of ``run``; nothing reaches a worker before the first ``anext``."""
+    assert state.pools is not None, "worker pools start with the app"
+    traceparent = child_traceparent(incoming_traceparent)
+    ctx = CallContext(
+        state.pools,
+        call_metadata(traceparent, run.prep.request_id),
+        state.settings.rpc_timeout_s,
+        state.settings.disagg_min_prompt_tokens,
+        state.metrics,
+        run.timer,
+    )
+    eos = state.model_info().eos_token_ids
+
+    def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
+        return ChoiceDecoder(state.tokenizer, spec, eos)
+
+    return run_choices(ctx, run.prep.specs, make_decoder)
+
+
 async def serve_generation(
     state: RouterState,
     request: Request,
@@ -196,22 +217,7 @@ async def serve_generation(
     try:
         prep = prepare(request_id)
         run = RequestRun(state, endpoint, prep)
-        assert state.pools is not None, "worker pools start with the app"
-        traceparent = child_traceparent(request.headers.get("traceparent"))
-        ctx = CallContext(
-            state.pools,
-            call_metadata(traceparent, request_id),
-            state.settings.rpc_timeout_s,
-            state.settings.disagg_min_prompt_tokens,
-            state.metrics,
-            run.timer,
-        )
-        eos = state.model_info().eos_token_ids
-
-        def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
-            return ChoiceDecoder(state.tokenizer, spec, eos)
-
-        events = run_choices(ctx, prep.specs, make_decoder)
+        events = start_choices(state, run, request.headers.get("traceparent"))
         fmt = make_format(prep, state.settings.model_name)
         if prep.stream:
             # Wait for the first token before answering, so that early failures keep their status.
@@ -300,6 +306,7 @@ def create_app(
         loaded_tokenizer, loaded_config = load_model(settings)
         tokenizer, model_config = tokenizer or loaded_tokenizer, model_config or loaded_config
     state = RouterState(settings, tokenizer, model_config, metrics or RouterMetrics())
+    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -339,7 +346,7 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict:
         info = state.model_info()
-        card = ModelCard(id=info.name, created=0, root=settings.model, max_model_len=info.max_model_len)
+        card = ModelCard(id=info.name, created=created, root=settings.model, max_model_len=info.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")

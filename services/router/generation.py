@@ -4,7 +4,9 @@ One choice (of ``n``, of each prompt) is one worker request. Disaggregated:
 ``Prefill`` on a prefill worker gives the first token and a KV handle, then
 ``Generate`` on a decode worker continues from that handle. Aggregated (no
 prefill pool, no healthy prefill worker, a single-token request or a prompt
-under ``disagg_min_prompt_tokens``): ``Generate`` alone. A ``ChoiceDecoder``
+under ``disagg_min_prompt_tokens``): ``Generate`` alone. On the disaggregated
+path the decode stream carries only the tokens after ``first_token``, which the
+router already has from the prefill worker. A ``ChoiceDecoder``
 turns token batches into text deltas; ``run_choices`` runs the choices as tasks
 and yields their deltas in arrival order, cancelling everything when its
 consumer stops (stop string, client gone), which aborts the worker requests.

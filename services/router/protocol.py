@@ -105,7 +105,9 @@ class SamplingRequest(_Request):
                 skip_special_tokens=self.skip_special_tokens,
             )
         except InvalidRequestError as e:
-            raise bad_request(str(e)) from None
+            # The engine's messages start with the offending field's name.
+            first_word = str(e).split(" ", 1)[0]
+            raise bad_request(str(e), first_word if first_word in type(self).model_fields else None) from None
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -165,7 +165,9 @@ class WorkerPool:
             candidates = [w for w in self.healthy_workers() if w.address not in exclude]
         if not candidates:
             if not self.workers:
-                raise NoWorkerAvailable(f"no {self.role} workers are configured")
+                raise NoWorkerAvailable(
+                    f"no {self.role} workers are configured; start the router with --{self.role}-worker HOST:PORT"
+                )
             raise NoWorkerAvailable(
                 f"no {self.role} worker is available ({len(self.workers)} configured, none healthy and reachable); "
                 "retry later"

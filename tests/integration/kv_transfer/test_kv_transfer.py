@@ -242,6 +242,10 @@ def test_bad_block_ids_and_unknown_peer(prefill_peer, backend):
         with pytest.raises(KVTransferError, match="add_peer"):
             connector.pull("nobody", [0], [0])
         assert connector.failures_total == 2
+        connector.close()
+        with pytest.raises(KVTransferError, match="closed"):
+            connector.pull(peer_id, [0], [0])
+        connector.close()  # twice is fine
 
 
 def test_auto_backend_prefers_nixl():
