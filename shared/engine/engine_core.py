@@ -80,6 +80,12 @@ class EngineCore:
         self.model, self.model_config = load_model(config.model, self.dtype_name, self.device)
         self.num_blocks = self._num_blocks(dtype)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
+        window = self.model_config.sliding_window
+        if window and model_len > window:
+            # Attention here always spans the whole context, which equals sliding-window
+            # attention only while the context fits in the window.
+            logger.info("max_model_len capped to the sliding window (%d tokens)", window)
+            model_len = window
         self.max_model_len = min(model_len, self.num_blocks * config.block_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
