@@ -82,7 +82,7 @@ def test_decode_small_batch_splits_by_itself(ta):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_chunked_prefill_mixed_batch(ta, head_dim, dtype):
     q_lens = [300, 1, 77, 1, 512, 16]
     seq_lens = [1500, 900, 77, 2048, 1024, 33]
