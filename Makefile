@@ -20,9 +20,6 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-redis:
-	@command -v redis-server >/dev/null || (apt-get install -y -q redis-server >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null)) || echo "redis-server unavailable; Redis tests will skip"
-
 $(MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/cleave demo-model $(MODEL)
 

@@ -60,9 +60,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> str:
+    """``auto``: bfloat16 on CUDA; on CPU the checkpoint's dtype (float16 checkpoints run in float32)."""
     if name != "auto":
         return name
-    if checkpoint_dtype in ("bfloat16", "float16") and device.type == "cuda":
+    if device.type == "cuda":
         return "bfloat16"
     return "bfloat16" if checkpoint_dtype == "bfloat16" else "float32"
 
@@ -108,6 +109,8 @@ class EngineCore:
             get_attention_backend(self.device, config.attention_backend),
             tuple(self.model_config.eos_token_ids),
         )
+        if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
+            self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
         block_bytes = kv_block_bytes(self.model_config, config.block_size, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.request import TokenSample
 from shared.engine.sampler import Sampler, SamplingBatch, make_generator
 from shared.engine.scheduler import SchedulerOutput
@@ -55,6 +56,13 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """CUDA only, with the Triton backend: replay decode steps from CUDA graphs."""
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.attn_backend, self.block_size, max_model_len,
+                                   max_num_seqs)  # fmt: skip
+        self.graphs.capture()
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -107,7 +115,10 @@ class ModelRunner:
         if sched.is_empty:
             return {}
         input_ids, positions, meta = self._prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
         rows, params, prompts, outputs, generators = [], [], [], [], []
         end = 0
         for seq in sched.seqs:

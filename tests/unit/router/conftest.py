@@ -154,10 +154,9 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
             context.abort(script.fail_generate, "injected generate failure")
         position = 1 if request.HasField("first_token") else 0
         batch, finish = [], ""
-        while not finish:
-            if not context.is_active():
-                script.cancelled.append(request.request_id)
-                return
+        # The RPC ends either after the last message or by the client's cancellation.
+        context.add_callback(lambda: None if finish else script.cancelled.append(request.request_id))
+        while not finish and context.is_active():
             token, finish = script.output(request.sampling, position)
             batch.append(token)
             position += 1
