@@ -75,7 +75,6 @@ class ChoiceDelta:
     num_tokens: int
     logprobs: list[TokenInfo] | None = None
     finish_reason: str | None = None
-    num_cached_tokens: int = 0
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
@@ -272,9 +271,7 @@ class ChoiceDecoder:
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         if self.finish_reason == "stop_string":
             self.finish_reason = "stop"
-        return ChoiceDelta(
-            self.spec.index, delta_text, num_new, logprobs, self.finish_reason, response.num_cached_tokens
-        )
+        return ChoiceDelta(self.spec.index, delta_text, num_new, logprobs, self.finish_reason)
 
     def _cut_at_stop(self, searched: int) -> bool:
         if not self.stop:

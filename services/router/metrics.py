@@ -26,7 +26,7 @@ class RouterMetrics:
         )
         self.finished_sequences = Counter(
             "cleave_router_finished_sequences_total",
-            "Finished choices by finish reason (stop, length, abort, error).",
+            "Choices that finished normally, by finish reason (stop or length).",
             ["finish_reason"],
             registry=r,
         )

@@ -140,9 +140,11 @@ class WorkerPool:
     def healthy_workers(self) -> list[WorkerClient]:
         return [w for w in self.workers if w.healthy]
 
-    async def refresh(self) -> None:
-        """Poll every worker once, concurrently."""
+    async def refresh(self, min_age_s: float = 0.0) -> None:
+        """Poll every worker once, concurrently, unless the last poll is younger than ``min_age_s``."""
         async with self._refresh_lock:
+            if min_age_s and time.monotonic() - self._last_refresh < min_age_s:
+                return
             await asyncio.gather(*(w.poll() for w in self.workers))
             self._last_refresh = time.monotonic()
             for w in self.workers:
@@ -160,8 +162,8 @@ class WorkerPool:
         """A healthy worker not in ``exclude`` (addresses); polls once on demand if none is known healthy."""
         exclude = exclude or set()
         candidates = [w for w in self.healthy_workers() if w.address not in exclude]
-        if not candidates and self.workers and time.monotonic() - self._last_refresh > MIN_REFRESH_GAP_S:
-            await self.refresh()
+        if not candidates and self.workers:
+            await self.refresh(min_age_s=MIN_REFRESH_GAP_S)
             candidates = [w for w in self.healthy_workers() if w.address not in exclude]
         if not candidates:
             if not self.workers:

@@ -69,32 +69,28 @@ def paged_attention(
     return out
 
 
-# The batched decode path pads every sequence to the longest one; past this much
-# padding the per-sequence loop does less work.
-_MAX_DECODE_PADDING = 4
+# A decode group is padded to its longest sequence; sorted by length, a group
+# closes when padding would exceed this factor of the real work.
+_MAX_DECODE_PADDING = 1.5
+_MAX_DECODE_GROUP = 64
 
 
-def paged_decode_batched(
+def _decode_group(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: list[int],
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """``paged_attention`` for a pure-decode batch in one SDPA call.
-
-    Every sequence's context is gathered at once, padded to ``max_seq_len`` and
-    masked. The query heads of a KV head become the query rows of that head, so
-    GQA needs no K/V repeat.
-    """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    max_seq_len = max(meta.seq_lens_cpu)
+    max_seq_len = max(seq_lens)
     max_blocks = (max_seq_len + block_size - 1) // block_size
-    block_ids = meta.block_tables[:, :max_blocks].long()  # [num_seqs, max_blocks]
+    block_ids = block_tables[:, :max_blocks].long()  # [num_seqs, max_blocks]
     positions = torch.arange(max_seq_len, device=query.device)  # [max_seq_len]
-    seq_lens = torch.tensor(meta.seq_lens_cpu, device=query.device)  # [num_seqs]
-    mask = (positions < seq_lens.unsqueeze(1)).view(num_seqs, 1, 1, max_seq_len)
+    lens = torch.tensor(seq_lens, device=query.device)  # [num_seqs]
+    mask = (positions < lens.unsqueeze(1)).view(num_seqs, 1, 1, max_seq_len)
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # [num_seqs, num_kv_heads, max_seq_len, head_dim]
         blocks = cache[block_ids]  # [num_seqs, max_blocks, block_size, num_kv_heads, head_dim]
@@ -106,17 +102,97 @@ def paged_decode_batched(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _use_batched_decode(meta: AttentionMetadata) -> bool:
-    if not meta.is_pure_decode or meta.num_seqs < 2:
-        return False
-    return meta.num_seqs * max(meta.seq_lens_cpu) <= _MAX_DECODE_PADDING * sum(meta.seq_lens_cpu)
+def paged_decode_batched(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """``paged_attention`` for a pure-decode batch in one SDPA call.
+
+    Every sequence's context is gathered at once, padded to the longest and
+    masked. The query heads of a KV head become the query rows of that head, so
+    GQA needs no K/V repeat.
+    """
+    return _decode_group(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, scale)
+
+
+def decode_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Indices of decode sequences, sorted by length, cut into groups with little padding."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i in sorted(range(len(seq_lens)), key=seq_lens.__getitem__):
+        length = seq_lens[i]
+        padded = (len(current) + 1) * length  # sorted ascending: this one is the longest
+        if current and (len(current) >= _MAX_DECODE_GROUP or padded > _MAX_DECODE_PADDING * (total + length)):
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += length
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _prefill_one(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    q_len = query.shape[0]
+    q = query.transpose(0, 1)  # [num_heads, q_len, head_dim]
+    k = _gather_context(k_cache, block_table, seq_len).to(query.dtype).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+    v = _gather_context(v_cache, block_table, seq_len).to(query.dtype).transpose(0, 1)
+    if q_len == seq_len:  # no cached prefix: plain causal attention
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
+        mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def paged_attention_fast(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same result as ``paged_attention``, faster on CPU: decode rows of any batch go
+    through a few length-sorted batched calls, prefill rows one call each."""
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    decode = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
+    decode_lens = [meta.seq_lens_cpu[i] for i in decode]
+    for group in decode_groups(decode_lens):
+        seqs = [decode[j] for j in group]
+        rows = torch.tensor([starts[i] for i in seqs], device=query.device)  # [group]
+        tables = meta.block_tables[torch.tensor(seqs, device=query.device)]  # [group, max_blocks]
+        lens = [meta.seq_lens_cpu[i] for i in seqs]
+        if len(seqs) == 1:
+            out[rows] = _prefill_one(query[rows], k_cache, v_cache, tables[0], lens[0], scale)
+            continue
+        out[rows] = _decode_group(query[rows], k_cache, v_cache, tables, lens, scale)
+    for i, q_len in enumerate(meta.query_lens_cpu):
+        if q_len > 1:
+            begin = starts[i]
+            out[begin : begin + q_len] = _prefill_one(
+                query[begin : begin + q_len], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale
+            )
+    return out
 
 
 class TorchAttentionBackend:
     """Attention backend interface: ``write_kv`` then ``forward`` per layer.
 
-    Pure-decode batches take ``paged_decode_batched``; everything else, and the
-    reference the tests use, is ``paged_attention``.
+    ``forward`` is ``paged_attention_fast``; ``paged_attention`` is the
+    reference the tests use.
     """
 
     name = "torch"
@@ -125,6 +201,4 @@ class TorchAttentionBackend:
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if _use_batched_decode(meta):
-            return paged_decode_batched(query, k_cache, v_cache, meta, scale)
-        return paged_attention(query, k_cache, v_cache, meta, scale)
+        return paged_attention_fast(query, k_cache, v_cache, meta, scale)

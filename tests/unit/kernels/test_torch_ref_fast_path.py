@@ -39,29 +39,35 @@ def test_batched_decode_bf16_within_rounding():
     torch.testing.assert_close(fast.float(), ref, atol=1e-2, rtol=1e-2)
 
 
-def test_backend_takes_batched_path_only_for_pure_decode(monkeypatch):
-    backend = get_attention_backend("cpu")
-    assert backend.name == "torch"
-    calls = []
-    real = torch_ref.paged_decode_batched
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_equals_reference_on_mixed_batches(dtype):
+    """Decode rows of very different lengths (several groups), chunked prefill with a
+    cached prefix, and a prefill without one, in one batch."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
+    lens = [(200, 1), (2, 1), (3, 1), (2, 1), (17, 5), (9, 9), (40, 1), (41, 1)]  # (seq_len, q_len)
+    blocks_per_seq = [-(-s // block_size) for s, _ in lens]
+    ids = torch.randperm(sum(blocks_per_seq) + 3, generator=gen).tolist()
+    tables = [ids[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])] for i in range(len(lens))]
+    chunks = [SeqChunk(t, s - q, q) for t, (s, q) in zip(tables, lens, strict=True)]
+    meta, _ = build_metadata(chunks, block_size)
+    kv_cache = torch.randn(len(ids), 2, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(q for _, q in lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = kv_cache[:, 1, 0], kv_cache[:, 1, 1]
+    assert len(torch_ref.decode_groups([s for s, q in lens if q == 1])) > 1
+    ref = torch_ref.paged_attention(query.float(), k_cache.float(), v_cache.float(), meta, 0.3)
+    fast = get_attention_backend("cpu").forward(query, k_cache, v_cache, meta, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast.float(), ref, atol=tol, rtol=tol)
 
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
 
-    monkeypatch.setattr(torch_ref, "paged_decode_batched", counting)
-    query, k_cache, v_cache, meta = make_decode_case([9, 12, 3], 4, 2, 2)
-    out = backend.forward(query, k_cache, v_cache, meta, 0.5)
-    assert calls == [1]
-    torch.testing.assert_close(out, torch_ref.paged_attention(query, k_cache, v_cache, meta, 0.5), atol=1e-6, rtol=1e-5)
-
-
-def test_heavily_padded_batch_uses_per_sequence_path():
-    # One long sequence among short ones: padding all to the longest would do > 4x the work.
-    _, _, _, meta = make_decode_case([200, 2, 2, 2, 2, 2, 2, 2, 2, 2], 16, 1, 1)
-    assert not torch_ref._use_batched_decode(meta)
-    _, _, _, meta = make_decode_case([20, 18, 25], 16, 1, 1)
-    assert torch_ref._use_batched_decode(meta)
+def test_decode_groups_bound_padding():
+    lens = [200, 2, 2, 3, 40, 41, 39]
+    groups = torch_ref.decode_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        longest = max(lens[i] for i in g)
+        assert len(g) == 1 or len(g) * longest <= 1.5 * sum(lens[i] for i in g)
 
 
 def test_backend_selection():
