@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= .cache/demo-model
 PORT ?= 8000
 
-.PHONY: install run test test-gpu lint protos protos-check bench demo-model clean
+.PHONY: install run test test-gpu bench-gpu lint protos protos-check bench demo-model clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; install Python 3.11"; exit 1; }
@@ -33,6 +33,10 @@ test: $(STAMP) protos-check
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
+
+# The GPU measurements (kernel bandwidth, Llama-3.2-1B-shaped throughput, decode roofline).
+bench-gpu: $(STAMP)
+	PY=$(PY) tests/gpu/run_device_checks.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shared services tests

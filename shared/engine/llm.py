@@ -56,7 +56,8 @@ class _Tracker:
                 entry = {sample.token_id: sample.logprob}
                 entry.update(sample.top_logprobs or [])
                 completion.logprobs.append(entry)
-            text.add(sample.token_id)
+            if self.params.detokenize:
+                text.add(sample.token_id)
         to_abort = None
         if text.stopped and not delta.finished:
             completion.finish_reason = "stop"
@@ -64,8 +65,9 @@ class _Tracker:
         if delta.finished or to_abort:
             if not delta.finished or completion.finish_reason is None:
                 completion.finish_reason = "stop" if text.stopped else delta.finish_reason
-            text.finish()
-            completion.text = text.text
+            if self.params.detokenize:
+                text.finish()
+                completion.text = text.text
             self.num_finished += 1
             self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
             self.output.finished = self.num_finished == self.params.n

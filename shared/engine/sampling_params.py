@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled one
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (offline API; benchmarks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +70,8 @@ class SamplingParams:
             fail(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            fail("stop strings need detokenize=True")
         if self.seed is not None and not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}")
 

@@ -1,0 +1,105 @@
+"""``python -m shared.bench.decode_step``: decode step time against the memory roofline.
+
+For each batch size, fills the engine with that many requests of
+``--context-len`` prompt tokens, lets them reach decode, then times
+``--steps`` pure-decode steps. The roofline is the time to read the weights
+plus the live KV cache once at the measured copy bandwidth (a device-to-device
+copy of ``--copy-bytes``, counted as read + write). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+from shared.cli import add_engine_args, engine_config_from_args, parse_bytes
+from shared.engine.engine_core import EngineCore
+from shared.engine.model_runner import kv_block_bytes
+from shared.engine.sampling_params import SamplingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by a plain tensor copy."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * num_bytes / best
+
+
+def measure(core: EngineCore, batch: int, context_len: int, steps: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    vocab = core.model_config.vocab_size
+    ids = [f"bench-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = [rng.randrange(vocab) for _ in range(context_len)]
+        core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
+        core.step()
+    for _ in range(2):  # warm up the pure-decode path
+        core.step()
+    _sync(core.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    _sync(core.device)
+    step_s = (time.perf_counter() - t0) / steps
+    live_tokens = sum(r.num_tokens for r in core.scheduler.running) - batch * steps // 2  # mid-run average
+    for rid in ids:
+        core.abort(rid)
+    return {"batch": batch, "step_ms": step_s * 1000, "live_tokens": live_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shared.bench.decode_step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_engine_args(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--copy-bytes", type=parse_bytes, default=None, help="default: 1GiB on CUDA, 256MiB on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    config = engine_config_from_args(args)
+    core = EngineCore(config)
+    device = core.device
+    copy_bytes = args.copy_bytes or (1 << 30 if device.type == "cuda" else 256 << 20)
+    bandwidth = copy_bandwidth(device, copy_bytes)
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    kv_per_token = kv_block_bytes(core.model_config, config.block_size, core.runner.kv_cache.dtype) // config.block_size
+    results = []
+    for batch in args.batch_sizes:
+        r = measure(core, batch, args.context_len, args.steps, args.seed)
+        kv_bytes = r["live_tokens"] * kv_per_token
+        roofline_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
+        results.append({**r, "kv_bytes": kv_bytes, "roofline_ms": roofline_ms,
+                        "step_over_roofline": r["step_ms"] / roofline_ms})  # fmt: skip
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": core.dtype_name, "attention_backend": core.runner.attn_backend.name,
+        "cuda_graphs": core.runner.graphs is not None, "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": weight_bytes, "context_len": args.context_len, "results": results,
+    }  # fmt: skip
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
