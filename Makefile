@@ -48,8 +48,9 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(PY) -m shared.tools.gen_protos --check
 
+# Cleave and the two transformers baselines, one after the other on the same workload.
 bench: $(STAMP) $(MODEL)/config.json
-	$(VENV)/bin/cleave bench throughput --model $(MODEL) --backend cleave
+	for backend in cleave hf hf-cb; do $(VENV)/bin/cleave bench throughput --model $(MODEL) --backend $$backend; done
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

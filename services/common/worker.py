@@ -102,6 +102,9 @@ class WorkerBase:
         self.peer_info = make_peer_info(core.runner.kv_cache, model_id=os.path.basename(os.path.abspath(args.model)), role=self.role)
         self.connector = create_connector(core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host)
         self.metrics = WorkerMetrics(self.role, self.worker_id)
+        Gauge("cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]).labels(
+            role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name
+        ).set(1)
         self.num_leased = 0
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info("worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name)

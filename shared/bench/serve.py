@@ -35,12 +35,13 @@ class Result:
     error: str = ""
 
 
-async def one_request(client, url: str, model: str, req: BenchRequest) -> Result:
+async def one_request(client, url: str, model: str, req: BenchRequest, prompt: str | list[int]) -> Result:
     body = {
-        "model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0.0,
+        "model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     result = Result(prompt_tokens=len(req.prompt_token_ids))
+    num_chunks = 0
     start = time.perf_counter()
     last = start
     try:
@@ -55,6 +56,7 @@ async def one_request(client, url: str, model: str, req: BenchRequest) -> Result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    num_chunks += 1
                     now = time.perf_counter()
                     if result.ttft == 0.0:
                         result.ttft = now - start
@@ -62,6 +64,8 @@ async def one_request(client, url: str, model: str, req: BenchRequest) -> Result
                         result.itls.append(now - last)
                     last = now
         result.e2el = time.perf_counter() - start
+        # Servers that send no usage: count streamed text chunks as tokens.
+        result.output_tokens = result.output_tokens or num_chunks
         result.ok = True
     except Exception as e:  # a failed request is counted, not fatal
         result.error = repr(e)
@@ -98,14 +102,21 @@ async def run(args, workload: list[BenchRequest]) -> dict:
         rng = random.Random(args.seed)
         semaphore = asyncio.Semaphore(args.max_concurrency or len(workload))
 
-        async def limited(req):
+        prompts: list[str | list[int]] = [r.prompt_token_ids for r in workload]
+        if args.tokenizer:
+            from shared.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(args.tokenizer)
+            prompts = [tokenizer.decode(p) for p in prompts]
+
+        async def limited(req, prompt):
             async with semaphore:
-                return await one_request(client, url, model, req)
+                return await one_request(client, url, model, req, prompt)
 
         start = time.perf_counter()
         tasks = []
-        for req in workload:
-            tasks.append(asyncio.create_task(limited(req)))
+        for req, prompt in zip(workload, prompts, strict=True):
+            tasks.append(asyncio.create_task(limited(req, prompt)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -144,6 +155,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker-metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
     parser.add_argument("--label", default="", help="free text copied into the JSON")
+    parser.add_argument("--tokenizer", default=None,
+                        help="send prompts as text decoded with this model directory's tokenizer (for servers that "
+                        "take no token-id prompts); default: token ids")  # fmt: skip
     args = parser.parse_args(argv)
     workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), args.vocab_size,
                              args.seed, frozenset(args.avoid_token), args.long_prompt_fraction,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.config import EngineConfig
+from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 from shared.engine.request import Request, TokenSample
@@ -72,6 +73,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         t0 = time.perf_counter()
         from shared.models.config import load_model_config
 

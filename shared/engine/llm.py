@@ -20,7 +20,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: sampled and top-k ids -> logprob
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # set when logprobs were asked for
 
 
 @dataclass
@@ -51,12 +51,14 @@ class _Tracker:
         text = self.texts[delta.sample_index]
         for sample in delta.new_samples:
             completion.token_ids.append(sample.token_id)
-            completion.cumulative_logprob += sample.logprob
             if self.params.logprobs is not None:
+                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sample.logprob
                 entry = {sample.token_id: sample.logprob}
                 entry.update(sample.top_logprobs or [])
                 completion.logprobs.append(entry)
-            if self.params.detokenize:
+            # A stop token (EOS or a stop id) ends the text without appearing in it.
+            ends_on_stop_token = delta.finish_reason == "stop" and sample is delta.new_samples[-1]
+            if self.params.detokenize and not ends_on_stop_token:
                 text.add(sample.token_id)
         to_abort = None
         if text.stopped and not delta.finished:

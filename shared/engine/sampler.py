@@ -158,7 +158,7 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [B] int64
-    logprobs: Tensor  # [B] float32, logprob of the sampled token
+    logprobs: Tensor  # [B] float32; zeros when no row of the batch asked for logprobs, logprob of the sampled token
     top_token_ids: Tensor | None  # [B, K] int64, K = max_num_logprobs; a row asking k < K reads [:k]
     top_logprobs: Tensor | None  # [B, K] float32
 
@@ -240,9 +240,12 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = apply_min_tokens_and_penalties(logits, batch)  # [B, V]
         token_ids = self._sample(logits, batch)  # [B]
+        top_token_ids = top_logprobs = None
+        if batch.max_num_logprobs is None:
+            # No row asked for logprobs: skip the normalizer over the vocabulary.
+            return SamplerOutput(token_ids, torch.zeros_like(token_ids, dtype=torch.float32), None, None)
         log_normalizer = logits.logsumexp(dim=-1, keepdim=True)  # [B, 1]
         logprobs = logits.gather(1, token_ids.unsqueeze(1)) - log_normalizer  # [B, 1]
-        top_token_ids = top_logprobs = None
         if batch.max_num_logprobs is not None:
             num_top = min(batch.max_num_logprobs, logits.shape[-1])
             top_values, top_token_ids = logits.topk(num_top, dim=-1)  # [B, K]

@@ -131,6 +131,8 @@ def test_concurrent_streams_transfer_kv_and_leak_nothing(cluster, reference):
     moved = scrape(decode_metrics, "cleave_kv_transfer_bytes_total") - before
     assert moved > 0, "no KV bytes were transferred"
     assert load_stats(cluster["decode"]).transfer_backend == cluster["backend"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{decode_metrics}/metrics", timeout=5) as resp:
+        assert f'backend="{cluster["backend"]}"' in resp.read().decode()
     wait_all_free(cluster["prefill"], cluster["decode"])
 
 

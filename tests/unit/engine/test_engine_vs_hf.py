@@ -163,3 +163,16 @@ def test_abort_mid_generation_frees_blocks(checkpoint_factory):
     assert core.abort("a") and core.abort("b") and core.abort("b/1")
     assert not core.has_unfinished()
     assert core.stats().num_free_blocks == core.num_blocks
+
+
+def test_stop_token_id_ends_output_and_is_not_in_text(checkpoint_factory):
+    llm = small_llm(checkpoint_factory("llama"))
+    full = llm.generate(["the garden"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate(
+        ["the garden"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])
+    )[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(full.token_ids[:first])
