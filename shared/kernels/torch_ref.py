@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shared.kernels import cpu_kernels
 from shared.kernels.metadata import AttentionMetadata
 
 
@@ -189,6 +190,13 @@ def paged_attention_fast(
     starts = meta.query_start_loc.tolist()
     decode = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
     decode_lens = [meta.seq_lens_cpu[i] for i in decode]
+    if decode and cpu_kernels.supports(query, k_cache, v_cache):
+        rows = torch.tensor([starts[i] for i in decode])  # [num_decode]
+        tables = meta.block_tables[torch.tensor(decode)]  # [num_decode, max_blocks]
+        result = cpu_kernels.paged_decode(query[rows], k_cache, v_cache, tables, decode_lens, scale)
+        if result is not None:
+            out[rows] = result
+            decode_lens = []
     for group in decode_groups(decode_lens):
         seqs = [decode[j] for j in group]
         rows = torch.tensor([starts[i] for i in seqs], device=query.device)  # [group]
