@@ -33,17 +33,55 @@ def env_default(flag: str, default):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags shared by ``generate``, the workers and the throughput benchmark."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=env_default("--model", DEFAULT_MODEL_DIR), help="Hugging Face checkpoint directory (default: the demo model)")
-    g.add_argument("--dtype", default=env_default("--dtype", "auto"), choices=["auto", "float32", "bfloat16"], help="weights and KV cache dtype")
+    g.add_argument(
+        "--model",
+        default=env_default("--model", DEFAULT_MODEL_DIR),
+        help="Hugging Face checkpoint directory (default: the demo model)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=env_default("--dtype", "auto"),
+        choices=["auto", "float32", "bfloat16"],
+        help="weights and KV cache dtype",
+    )
     g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes(str(env_default("--kv-cache-memory", "2GiB"))), help="KV cache budget on CPU, e.g. 512MiB, 4GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=float(env_default("--gpu-memory-utilization", 0.9)), help="fraction of GPU memory to use (CUDA)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=int(env_default("--max-num-batched-tokens", 2048)), help="token budget per engine step")
-    g.add_argument("--max-num-seqs", type=int, default=int(env_default("--max-num-seqs", 256)), help="running requests at most")
-    g.add_argument("--max-model-len", type=int, default=env_default("--max-model-len", None), help="context length (default: the model's)")
-    g.add_argument("--no-prefix-caching", action="store_true", default=bool(env_default("--no-prefix-caching", "")), help="disable automatic prefix caching")
-    g.add_argument("--attention-backend", default=env_default("--attention-backend", "auto"), choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=parse_bytes(str(env_default("--kv-cache-memory", "2GiB"))),
+        help="KV cache budget on CPU, e.g. 512MiB, 4GiB",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=float(env_default("--gpu-memory-utilization", 0.9)),
+        help="fraction of GPU memory to use (CUDA)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(env_default("--max-num-batched-tokens", 2048)),
+        help="token budget per engine step",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=int(env_default("--max-num-seqs", 256)), help="running requests at most"
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=env_default("--max-model-len", None),
+        help="context length (default: the model's)",
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=bool(env_default("--no-prefix-caching", "")),
+        help="disable automatic prefix caching",
+    )
+    g.add_argument(
+        "--attention-backend", default=env_default("--attention-backend", "auto"), choices=["auto", "torch", "triton"]
+    )
     g.add_argument("--enforce-eager", action="store_true", default=bool(env_default("--enforce-eager", "")), help="CUDA: no CUDA graphs")  # fmt: skip
 
 
@@ -146,7 +184,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         p = sub.add_parser(name, help=help_text + f" (see `cleave {name} --help`)", add_help=False)
         p.set_defaults(module=module)
 
-    p = sub.add_parser("bench", help="benchmarks that print JSON (`cleave bench throughput|serve --help`)", add_help=False)
+    p = sub.add_parser(
+        "bench", help="benchmarks that print JSON (`cleave bench throughput|serve --help`)", add_help=False
+    )
     p.set_defaults(module="shared.bench")
     return parser, passthrough
 

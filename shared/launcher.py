@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
         if args.metrics:
             common += ["--metrics-port", "0"]
-        pending = [cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)]
+        pending = [
+            cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
+        ]
         pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", Path(args.model).name]  # fmt: skip

@@ -29,7 +29,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     )
     add_engine_args(parser)
     parser.add_argument("--host", default=env_default("--host", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env_default("--port", 0)), help="gRPC port (0: pick a free one)")
+    parser.add_argument(
+        "--port", type=int, default=int(env_default("--port", 0)), help="gRPC port (0: pick a free one)"
+    )
     parser.add_argument("--metrics-port", type=int, default=int(env_default("--metrics-port", -1)),
                         help="Prometheus /metrics port (0: pick one, -1: off)")  # fmt: skip
     parser.add_argument("--worker-id", default=env_default("--worker-id", None))
@@ -99,15 +101,21 @@ class WorkerBase:
         self.worker_id = args.worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.engine = AsyncEngine(engine_config_from_args(args))
         core = self.engine.core
-        self.peer_info = make_peer_info(core.runner.kv_cache, model_id=os.path.basename(os.path.abspath(args.model)), role=self.role)
-        self.connector = create_connector(core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host)
+        self.peer_info = make_peer_info(
+            core.runner.kv_cache, model_id=os.path.basename(os.path.abspath(args.model)), role=self.role
+        )
+        self.connector = create_connector(
+            core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host
+        )
         self.metrics = WorkerMetrics(self.role, self.worker_id)
-        Gauge("cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]).labels(
-            role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name
-        ).set(1)
+        Gauge(
+            "cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]
+        ).labels(role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name).set(1)
         self.num_leased = 0
         self.address = ""  # this worker's gRPC address, known once the port is bound
-        logger.info("worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name)
+        logger.info(
+            "worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name
+        )
 
     async def Health(self, request, context) -> pb.HealthResponse:
         if self.engine.error is not None:

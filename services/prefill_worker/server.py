@@ -72,10 +72,15 @@ class PrefillWorker(WorkerBase):
         self.num_leased = len(self.leases)
         response.kv_handle.CopyFrom(
             pb.KVHandle(
-                protocol_version=PROTOCOL_VERSION, request_id=req.request_id, worker_id=self.worker_id,
-                prefill_worker_addr=self.address, transfer_backend=self.connector.backend_name,
-                block_ids=block_ids, num_tokens=req.num_prompt_tokens,
-                lease_deadline_unix=time.time() + lease_s, compat_hash=self.peer_info.compat_hash,
+                protocol_version=PROTOCOL_VERSION,
+                request_id=req.request_id,
+                worker_id=self.worker_id,
+                prefill_worker_addr=self.address,
+                transfer_backend=self.connector.backend_name,
+                block_ids=block_ids,
+                num_tokens=req.num_prompt_tokens,
+                lease_deadline_unix=time.time() + lease_s,
+                compat_hash=self.peer_info.compat_hash,
             )  # fmt: skip
         )
         return response

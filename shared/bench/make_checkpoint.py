@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     def rand(*size: int) -> torch.Tensor:
         return (torch.randn(*size, generator=gen, device=args.device) * 0.02).to(dtype).cpu()
 
-    tensors = {"model.embed_tokens.weight": rand(shape["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    tensors = {
+        "model.embed_tokens.weight": rand(shape["vocab_size"], h),
+        "model.norm.weight": torch.ones(h, dtype=dtype),
+    }
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({

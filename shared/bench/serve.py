@@ -148,7 +148,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-concurrency", type=int, default=0, help="cap on requests in flight (0: none)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--long-prompt-fraction", type=float, default=0.1, help="share of prompts from --long-prompt-len")
+    parser.add_argument(
+        "--long-prompt-fraction", type=float, default=0.1, help="share of prompts from --long-prompt-len"
+    )
     parser.add_argument("--long-prompt-len", type=int, nargs=2, default=(1024, 2048), metavar=("MIN", "MAX"))
     parser.add_argument("--vocab-size", type=int, default=4000, help="token ids are drawn below this")
     parser.add_argument("--avoid-token", type=int, action="append", default=[], help="token id never to put in prompts")

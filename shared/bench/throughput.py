@@ -41,7 +41,9 @@ def run_cleave(args, workload) -> dict:
 
     engine.step = measured_step
     # Token ids only, like the transformers baselines.
-    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False) for r in workload]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False) for r in workload
+    ]
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=args.progress)
     elapsed = time.perf_counter() - start

@@ -32,7 +32,10 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
         return False
     try:
         libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+        )
     except (OSError, AttributeError):
         return False
     _done = ok

@@ -106,8 +106,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{path}: architecture {arch!r} is not supported; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in cfg:
@@ -116,7 +115,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
     if num_heads % num_kv_heads:
-        raise ModelLoadError(f"{path}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        raise ModelLoadError(
+            f"{path}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
     rope_theta, rope_scaling = _rope_settings(cfg)
     eos = set(_eos_ids(cfg.get("eos_token_id")))
     gen_path = model_dir / "generation_config.json"

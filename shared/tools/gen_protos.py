@@ -25,7 +25,13 @@ def generate(out_dir: Path) -> list[Path]:
 
     protos = sorted(PROTO_DIR.rglob("*.proto"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+    ]
     if protoc.main(args + [str(p) for p in protos]) != 0:
         raise SystemExit("protoc failed")
     # protoc writes absolute imports ("from cleave.v1 import worker_pb2"); make them package-relative to this tree.
@@ -51,10 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        current = sorted(
-            p.relative_to(OUT_DIR) for p in OUT_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-        ) if OUT_DIR.exists() else []
-        stale = [str(p) for p in fresh if p not in current or not filecmp.cmp(Path(tmp) / p, OUT_DIR / p, shallow=False)]
+        current = (
+            sorted(p.relative_to(OUT_DIR) for p in OUT_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+            if OUT_DIR.exists()
+            else []
+        )
+        stale = [
+            str(p) for p in fresh if p not in current or not filecmp.cmp(Path(tmp) / p, OUT_DIR / p, shallow=False)
+        ]
         stale += [str(p) for p in current if p not in fresh]
     if stale:
         print(f"shared/genproto is stale ({', '.join(stale)}); run `make protos` and commit", file=sys.stderr)

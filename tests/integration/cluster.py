@@ -76,10 +76,14 @@ def wait_worker(proc: Proc, timeout: float = 120) -> Proc:
 
 def start_worker(role: str, model: Path, *extra: str) -> Proc:
     module = "services.prefill_worker" if role == "prefill" else "services.decode_worker"
-    return start_process(role, module, ["--model", str(model), "--port", "0", "--metrics-port", "0", *SMALL_ENGINE, *extra])
+    return start_process(
+        role, module, ["--model", str(model), "--port", "0", "--metrics-port", "0", *SMALL_ENGINE, *extra]
+    )
 
 
-def start_router(model: Path, prefill: list[Proc], decode: list[Proc], *extra: str, timeout: float = 60) -> tuple[Proc, str]:
+def start_router(
+    model: Path, prefill: list[Proc], decode: list[Proc], *extra: str, timeout: float = 60
+) -> tuple[Proc, str]:
     port = free_port()
     args = ["--model", str(model), "--port", str(port)]
     for p in prefill:

@@ -31,16 +31,22 @@ def expected(model_dir):
 
 @pytest.fixture(scope="module")
 def workers(model_dir):
-    prefill = wait_worker(start_worker("prefill", model_dir, "--kv-lease-seconds", "1.5", "--kv-transfer-backend", "tcp"))
+    prefill = wait_worker(
+        start_worker("prefill", model_dir, "--kv-lease-seconds", "1.5", "--kv-transfer-backend", "tcp")
+    )
     decode = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp"))
-    strict = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp", "--kv-pull-failure-policy", "fail"))
+    strict = wait_worker(
+        start_worker("decode", model_dir, "--kv-transfer-backend", "tcp", "--kv-pull-failure-policy", "fail")
+    )
     yield prefill, decode, strict
     for p in (prefill, decode, strict):
         p.stop()
 
 
 def params() -> pb.SamplingParams:
-    return pb.SamplingParams(n=1, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return pb.SamplingParams(
+        n=1, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
 
 
 def prefill(proc, request_id: str) -> pb.PrefillResponse:
@@ -53,8 +59,13 @@ def prefill(proc, request_id: str) -> pb.PrefillResponse:
 def generate(proc, request_id: str, first: pb.PrefillResponse) -> tuple[list[int], pb.GenerateResponse]:
     with grpc.insecure_channel(proc.info["grpc"]) as ch:
         stream = pb_grpc.DecodeWorkerStub(ch).Generate(
-            pb.GenerateRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=params(),
-                               first_token=first.first_token, kv_handle=first.kv_handle),  # fmt: skip
+            pb.GenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=PROMPT,
+                sampling=params(),
+                first_token=first.first_token,
+                kv_handle=first.kv_handle,
+            ),  # fmt: skip
             timeout=60,
         )
         messages = list(stream)

@@ -28,7 +28,9 @@ def test_decode_kernel_matches_reference(block_size, group, head_dim):
     assert out is not None
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     # And through the backend, which routes decode rows of any batch to the kernel.
-    torch.testing.assert_close(torch_ref.paged_attention_fast(query, k_cache, v_cache, meta, 0.3), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        torch_ref.paged_attention_fast(query, k_cache, v_cache, meta, 0.3), ref, atol=2e-5, rtol=1e-4
+    )
 
 
 def test_kernel_declines_unsupported_shapes():
