@@ -124,7 +124,8 @@ class WorkerBase:
                                  max_model_len=self.engine.core.max_model_len)  # fmt: skip
 
     async def LoadStats(self, request, context) -> pb.LoadStatsResponse:
-        stats = await self.engine.run(self.engine.core.stats)
+        # Read without queueing behind a long engine step: plain counters, a snapshot is enough.
+        stats = self.engine.core.stats()
         c = self.connector
         return pb.LoadStatsResponse(
             num_running=stats.num_running, num_waiting=stats.num_waiting, num_free_blocks=stats.num_free_blocks,
@@ -146,7 +147,7 @@ class WorkerBase:
 
     async def metrics_loop(self) -> None:
         while True:
-            stats = await self.engine.run(self.engine.core.stats)
+            stats = self.engine.core.stats()
             self.metrics.update(stats)
             self.metrics.leased.set(self.num_leased)
             await asyncio.sleep(1.0)

@@ -28,6 +28,8 @@ logger = logging.getLogger("cleave.router.workers")
 PREFILL = "prefill"
 DECODE = "decode"
 HEALTH_TIMEOUT_S = 2.0
+# A busy worker can answer a poll late; only this many late polls in a row make it unhealthy.
+MAX_LATE_POLLS = 3
 ABORT_TIMEOUT_S = 5.0
 # How soon an on-demand refresh may repeat when no worker is healthy.
 MIN_REFRESH_GAP_S = 0.25
@@ -73,6 +75,7 @@ class WorkerClient:
         self.max_model_len = 0
         self.worker_id = ""
         self.num_in_flight = 0  # calls this router has open on the worker
+        self.num_late_polls = 0
 
     async def poll(self) -> bool:
         """Refresh health and load; returns the new health."""
@@ -80,10 +83,15 @@ class WorkerClient:
             health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
             load = await self.stub.LoadStats(worker_pb2.LoadStatsRequest(), timeout=HEALTH_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.healthy:
+                self.num_late_polls += 1
+                if self.num_late_polls < MAX_LATE_POLLS:
+                    return True  # slow under load, not gone: keep routing to it
             if self.healthy:
                 logger.warning("worker_unhealthy role=%s address=%s code=%s", self.role, self.address, e.code().name)
             self.healthy = False
             return False
+        self.num_late_polls = 0
         ok = health.status == "ok" and health.role in ("", self.role)
         if not ok and self.healthy:
             logger.warning(

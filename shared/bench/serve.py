@@ -35,11 +35,15 @@ class Result:
     error: str = ""
 
 
-async def one_request(client, url: str, model: str, req: BenchRequest, prompt: str | list[int]) -> Result:
+async def one_request(
+    client, url: str, model: str, req: BenchRequest, prompt: str | list[int], ignore_eos: bool
+) -> Result:
     body = {
         "model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
+    if ignore_eos:
+        body["ignore_eos"] = True
     result = Result(prompt_tokens=len(req.prompt_token_ids))
     num_chunks = 0
     start = time.perf_counter()
@@ -111,7 +115,7 @@ async def run(args, workload: list[BenchRequest]) -> dict:
 
         async def limited(req, prompt):
             async with semaphore:
-                return await one_request(client, url, model, req, prompt)
+                return await one_request(client, url, model, req, prompt, not args.no_ignore_eos)
 
         start = time.perf_counter()
         tasks = []
@@ -157,6 +161,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker-metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
     parser.add_argument("--label", default="", help="free text copied into the JSON")
+    parser.add_argument("--no-ignore-eos", action="store_true",
+                        help="do not send vLLM's ignore_eos field (for servers that refuse it)")  # fmt: skip
     parser.add_argument("--tokenizer", default=None,
                         help="send prompts as text decoded with this model directory's tokenizer (for servers that "
                         "take no token-id prompts); default: token ids")  # fmt: skip

@@ -62,10 +62,14 @@ class AsyncEngine:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if not fut.set_running_or_notify_cancel():
+                continue  # the caller gave up (cancelled RPC): skip the command
             try:
-                fut.set_result(fn())
-            except BaseException as e:
+                result = fn()
+            except Exception as e:  # the command's own error goes to its caller
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
     def _publish(self, delta: RequestOutputDelta) -> None:
         key = delta.parent_request_id or delta.request_id

@@ -1,0 +1,75 @@
+"""The service-side engine loop: batching from many callers, cancellation, aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from shared.config import EngineConfig
+from shared.engine import LLM, SamplingParams
+from shared.engine.async_engine import AsyncEngine
+
+
+def make_engine(model_dir) -> AsyncEngine:
+    return AsyncEngine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=64, block_size=4))
+
+
+def test_concurrent_streams_match_offline_and_free_blocks(checkpoint_factory):
+    model_dir = checkpoint_factory("llama")
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 20, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = LLM(model=str(model_dir), dtype="float32", num_blocks=64, block_size=4)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
+    engine = make_engine(model_dir)
+
+    async def one(i):
+        tokens = []
+        async for delta in engine.generate(f"r{i}", prompts[i], params):
+            tokens += delta.new_token_ids
+        return tokens
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        assert asyncio.run(run()) == expected
+        assert engine.core.stats().num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_cancelled_command_does_not_stop_the_loop(checkpoint_factory):
+    engine = make_engine(checkpoint_factory("llama"))
+    try:
+        gate = threading.Event()
+        blocker = engine.call(gate.wait)  # holds the engine thread while the next command is cancelled
+        cancelled = engine.call(lambda: None)
+        assert cancelled.cancel()
+        gate.set()
+        blocker.result(timeout=10)
+        assert engine.call(lambda: 41 + 1).result(timeout=10) == 42
+        assert engine.error is None
+    finally:
+        engine.shutdown()
+
+
+def test_leaving_a_stream_early_aborts_and_frees(checkpoint_factory):
+    engine = make_engine(checkpoint_factory("llama"))
+
+    async def run():
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        stream = engine.generate("early", list(range(3, 30)), params)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 5
+        while engine.core.stats().num_free_blocks != engine.core.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.core.stats().num_free_blocks == engine.core.num_blocks
+        assert not engine.core.has_unfinished()
+    finally:
+        engine.shutdown()
