@@ -44,7 +44,7 @@ class Cluster:
     def start(self, module: str, args: list[str], name: str) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True, bufsize=1,
-            start_new_session=True,
+            preexec_fn=_child_setup,
         )  # fmt: skip
         proc.name = name  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -73,6 +73,17 @@ class Cluster:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _child_setup() -> None:
+    """In the child: its own session (Ctrl-C reaches only the launcher, which stops
+    children in order), and SIGTERM if the launcher dies without cleaning up."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _drain(proc: subprocess.Popen) -> None:
@@ -113,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --decode-workers must be >= 1")
     ensure_model(args.model)
     cluster = Cluster()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Both signals stop the cluster, also when started in the background (where SIGINT starts out ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
         if args.metrics:
