@@ -97,6 +97,7 @@ class DecodeWorker(WorkerBase):
         core = self.engine.core
         start = time.perf_counter()
         local_ids = None
+        pull = None
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
@@ -104,10 +105,21 @@ class DecodeWorker(WorkerBase):
             local_ids = await self.engine.run(lambda: self._allocate(req, handle.num_tokens))
             if local_ids is None:
                 raise PullFailed("no free KV blocks for the pull")
-            loop = asyncio.get_running_loop()
-            stats = await loop.run_in_executor(
+            pull = asyncio.get_running_loop().run_in_executor(
                 None, self.connector.pull, peer, list(handle.block_ids), local_ids[: len(handle.block_ids)]
             )
+            stats = await asyncio.shield(pull)
+        except asyncio.CancelledError:
+            # The caller went away. Free the blocks (commands run in order, so after any
+            # allocation), but only once a running pull can no longer write into them.
+            def free(_=None) -> None:
+                self.engine.call(lambda: core.kv.free(req.request_id))
+
+            if pull is not None and not pull.done():
+                pull.add_done_callback(free)
+            else:
+                free()
+            raise
         except (PullFailed, KVTransferError, KVCompatibilityError, grpc.aio.AioRpcError) as e:
             if local_ids is not None:
                 await self.engine.run(lambda: core.kv.free(req.request_id))

@@ -66,10 +66,11 @@ class PrefillWorker(WorkerBase):
         if req.status != RequestStatus.FINISHED_PREFILLED:
             response.finish_reason = last.finish_reason or "stop"
             return response
-        block_ids = await self.engine.run(lambda: core.kv.block_ids(req.request_id))
+        # Lease first: if this call is cancelled from here on, the lease still frees the blocks.
         lease_s = self.args.kv_lease_seconds
         self.leases[req.request_id] = time.monotonic() + lease_s
         self.num_leased = len(self.leases)
+        block_ids = await self.engine.run(lambda: core.kv.block_ids(req.request_id))
         response.kv_handle.CopyFrom(
             pb.KVHandle(
                 protocol_version=PROTOCOL_VERSION,
