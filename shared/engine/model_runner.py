@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
@@ -18,6 +21,17 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache. On CPU it is backed by an anonymous mapping, whose pages the
+    OS supplies (zeroed) on first touch: resident memory grows with the blocks in use,
+    not with the budget."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -44,16 +58,9 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.eos_token_ids = eos_token_ids
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            num_blocks,
-            model_config.num_layers,
-            2,
-            block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype=dtype,
-            device=device,
-        )
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        shape = (num_blocks, model_config.num_layers, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_cache = allocate_kv_cache(shape, dtype, device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
