@@ -204,9 +204,6 @@ class EngineCore:
 
     def step(self) -> list[RequestOutputDelta]:
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            self.runner._copy_blocks(sched.block_copies)
-            return []
         samples = self.runner.execute(sched)
         deltas: list[RequestOutputDelta] = []
         for seq in sched.seqs:
