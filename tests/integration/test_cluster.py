@@ -31,11 +31,6 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint_factory):
-    return checkpoint_factory("llama")
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
     """Greedy outputs of the offline engine (itself checked against transformers)."""
     llm = LLM(model=str(model_dir), dtype="float32", num_blocks=256)

@@ -18,11 +18,6 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint_factory):
-    return checkpoint_factory("llama")
-
-
-@pytest.fixture(scope="module")
 def expected(model_dir):
     llm = LLM(model=str(model_dir), dtype="float32", num_blocks=64)
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
