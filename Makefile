@@ -41,6 +41,7 @@ bench-gpu: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check shared services tests
 	$(VENV)/bin/ruff format --check shared services tests
+	$(VENV)/bin/mypy shared services
 
 protos: $(STAMP)
 	$(PY) -m shared.tools.gen_protos

@@ -42,7 +42,7 @@ def _host_bytes(kv_cache: torch.Tensor) -> memoryview | None:
     """Flat byte view of a CPU kv_cache's memory (no copy); None for device tensors."""
     if kv_cache.is_cuda:
         return None
-    return memoryview(kv_cache.view(-1).view(torch.uint8).numpy())
+    return kv_cache.view(-1).view(torch.uint8).numpy().data
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, what: str) -> None:
@@ -137,7 +137,7 @@ class _BlockServer:
         if self._host_bytes is not None:
             return self._host_bytes[begin:end]
         # [count * block_bytes] bytes of the device blocks, copied to host
-        return memoryview(self.kv_cache[start : start + count].reshape(-1).view(torch.uint8).cpu().numpy())
+        return self.kv_cache[start : start + count].reshape(-1).view(torch.uint8).cpu().numpy().data
 
     def _send_error(self, conn: socket.socket, message: str) -> None:
         data = message.encode("utf-8")
@@ -272,7 +272,7 @@ class TcpConnector(KVConnector):
             _recv_exact(sock, self._host_bytes[begin:end], deadline, "KV blocks")
             return
         staging = torch.empty(end - begin, dtype=torch.uint8, pin_memory=True)
-        _recv_exact(sock, memoryview(staging.numpy()), deadline, "KV blocks")
+        _recv_exact(sock, staging.numpy().data, deadline, "KV blocks")
         # [num_blocks * block_bytes] bytes into the device blocks
         local_blocks = self.kv_cache[run.local_start : run.local_start + run.num_blocks]
         local_blocks.reshape(-1).view(torch.uint8).copy_(staging)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -143,7 +143,7 @@ async def until_disconnect(request: Request, work: Awaitable) -> object:
 
 
 async def _sse_body(
-    run: RequestRun, fmt: Format, first: ChoiceDelta | None, events: AsyncIterator
+    run: RequestRun, fmt: Format, first: ChoiceDelta | None, events: AsyncGenerator
 ) -> AsyncIterator[str]:
     status, done = 200, False
     try:
@@ -151,13 +151,13 @@ async def _sse_body(
             yield sse(chunk)
         pending = [first] if first is not None else []
         while True:
-            delta = pending.pop() if pending else await anext(events, None)
+            delta: ChoiceDelta | None = pending.pop() if pending else await anext(events, None)
             if delta is None:
                 break
             run.add(delta)
-            chunk = fmt.delta_chunk(delta)
-            if chunk is not None:
-                yield sse(chunk)
+            delta_chunk = fmt.delta_chunk(delta)
+            if delta_chunk is not None:
+                yield sse(delta_chunk)
         if run.prep.include_usage:
             yield sse(fmt.usage_chunk(usage(run.prep, run.ordered_results())))
         done = True
@@ -182,7 +182,9 @@ async def _collect(run: RequestRun, events: AsyncIterator) -> None:
         run.add(delta)
 
 
-def start_choices(state: RouterState, run: RequestRun, incoming_traceparent: str | None) -> AsyncIterator[ChoiceDelta]:
+def start_choices(
+    state: RouterState, run: RequestRun, incoming_traceparent: str | None
+) -> AsyncGenerator[ChoiceDelta, None]:
     """The deltas of every choice of ``run``; nothing reaches a worker before the first ``anext``."""
     assert state.pools is not None, "worker pools start with the app"
     traceparent = child_traceparent(incoming_traceparent)
@@ -213,7 +215,7 @@ async def serve_generation(
     endpoint, request_id = request.url.path, f"{id_prefix}-{uuid.uuid4().hex}"
     headers = {"x-request-id": request_id}
     run: RequestRun | None = None
-    events: AsyncIterator | None = None
+    events: AsyncGenerator | None = None
     try:
         prep = prepare(request_id)
         run = RequestRun(state, endpoint, prep)

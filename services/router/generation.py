@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -110,7 +110,7 @@ def rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
 
 async def _prefill(ctx: CallContext, spec: ChoiceSpec) -> tuple[WorkerClient, worker_pb2.PrefillResponse] | None:
     """First token and KV handle from a prefill worker; None means: run aggregated instead."""
-    pool, tried = ctx.pools.prefill, set()
+    pool, tried = ctx.pools.prefill, set[str]()
     request = worker_pb2.PrefillRequest(
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
@@ -137,9 +137,11 @@ async def _prefill(ctx: CallContext, spec: ChoiceSpec) -> tuple[WorkerClient, wo
                     raise rpc_error(e, "prefill", worker.address) from None
 
 
-async def _decode(ctx: CallContext, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+async def _decode(
+    ctx: CallContext, request: worker_pb2.GenerateRequest
+) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """Stream ``Generate`` from a decode worker, moving on to another one if a worker is unreachable."""
-    pool, tried = ctx.pools.decode, set()
+    pool, tried = ctx.pools.decode, set[str]()
     while True:
         try:
             worker = await pool.pick(tried)
@@ -175,7 +177,7 @@ async def _decode(ctx: CallContext, request: worker_pb2.GenerateRequest) -> Asyn
                     pool.abort(worker, request.request_id, ctx.metadata)
 
 
-async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncIterator[worker_pb2.GenerateResponse]:
+async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """All token batches of one choice, from whichever path serves it; the last one has a finish reason."""
     request = worker_pb2.GenerateRequest(
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
@@ -296,7 +298,7 @@ _DONE = object()
 
 async def run_choices(
     ctx: CallContext, specs: Sequence[ChoiceSpec], make_decoder: Callable[[ChoiceSpec], ChoiceDecoder]
-) -> AsyncIterator[ChoiceDelta]:
+) -> AsyncGenerator[ChoiceDelta, None]:
     """Run every choice as its own task; yield deltas as they come. Closing this cancels the rest."""
     queue: asyncio.Queue = asyncio.Queue()
 

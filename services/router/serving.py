@@ -103,12 +103,15 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, default: i
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
     """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
     prompt = req.prompt
+    items: list[str | list[int]]
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]  # type: ignore[list-item]
-    if not prompt or any(len(p) == 0 for p in prompt):
+        items = [prompt]  # type: ignore[list-item]  # one prompt: a string or one list of ids
+    else:
+        items = list(prompt)  # type: ignore[arg-type]  # several prompts
+    if not items or any(len(p) == 0 for p in items):
         raise bad_request("prompt must not be empty", "prompt")
     prompts = []
-    for item in prompt:
+    for item in items:
         if isinstance(item, str):
             prompts.append(tokenizer.encode(item, add_special_tokens=True))
         else:

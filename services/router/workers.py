@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -69,7 +70,8 @@ class WorkerClient:
         self.role = role
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == PREFILL else worker_pb2_grpc.DecodeWorkerStub
-        self.stub = stub_cls(self.channel)
+        # Typed loosely: one client class serves both roles' stubs.
+        self.stub: Any = stub_cls(self.channel)
         self.healthy = False
         self.load: worker_pb2.LoadStatsResponse | None = None
         self.max_model_len = 0

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [bench_decode(batch, args.context, args.iters) for batch in args.batch_sizes]
     for result in results:
         result["fraction_of_copy_bandwidth"] = round(result["kv_bandwidth_gbps"] / copy_gbps, 3)
-    geometry = {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "num_heads": NUM_HEADS}
+    geometry: dict[str, object] = {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "num_heads": NUM_HEADS}
     geometry |= {"head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": "bfloat16"}
     report = {
         "benchmark": "paged_decode_attention",

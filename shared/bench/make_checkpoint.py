@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,

@@ -111,7 +111,7 @@ async def run(args, workload: list[BenchRequest]) -> dict:
             from shared.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(args.tokenizer)
-            prompts = [tokenizer.decode(p) for p in prompts]
+            prompts = [tokenizer.decode(r.prompt_token_ids) for r in workload]
 
         async def limited(req, prompt):
             async with semaphore:

@@ -133,7 +133,8 @@ def main(argv: list[str]) -> int:
     from shared.models.config import load_model_config
 
     model_config = load_model_config(args.model)
-    avoid = frozenset(model_config.eos_token_ids) | ({model_config.bos_token_id} - {None})
+    specials = [*model_config.eos_token_ids, model_config.bos_token_id]
+    avoid = frozenset(t for t in specials if t is not None)
     workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
                              model_config.vocab_size, args.seed, avoid)  # fmt: skip
     runner = {"cleave": run_cleave, "hf": run_hf, "hf-cb": run_hf_cb}[args.backend]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [max_batch + 1]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None  # the graphs' shared memory pool, set by the first capture
         # Without captured graphs (CPU tests), run() pads exactly the same way and runs eagerly.
         self.enabled = False
 

@@ -55,6 +55,7 @@ class _Tracker:
                 completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sample.logprob
                 entry = {sample.token_id: sample.logprob}
                 entry.update(sample.top_logprobs or [])
+                assert completion.logprobs is not None
                 completion.logprobs.append(entry)
             # A stop token (EOS or a stop id) ends the text without appearing in it.
             ends_on_stop_token = delta.finish_reason == "stop" and sample is delta.new_samples[-1]

@@ -13,6 +13,7 @@ from shared.engine.sampler import Sampler, SamplingBatch, make_generator
 from shared.engine.scheduler import SchedulerOutput
 from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig
+from shared.models.llama import LlamaModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +43,7 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaModel,
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
@@ -160,7 +161,7 @@ class ModelRunner:
             k = seq.sampling_params.logprobs
             for _ in seq.sample_request_ids:
                 top = None
-                if k is not None and top_ids is not None:
+                if k is not None and top_ids is not None and top_lps is not None:
                     top = list(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
                 samples.append(TokenSample(token_ids[row], logprobs[row], top))
                 row += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from shared.engine.block_pool import KVBlock
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.request import Request, RequestStatus, TokenSample
 from shared.engine.sampling_params import SamplingParams
@@ -107,7 +108,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = [], 0
+            hits: list[KVBlock] = []
+            num_hit_tokens = 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_hit_tokens

@@ -312,10 +312,10 @@ def paged_decode(
     ints = (k_cache.shape[1], num_heads, num_splits)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](*tensors, scale * _LOG2E, *strides, *ints, **consts)
     if use_splits:
-        tensors = (out, part_acc, part_max, part_sum, meta.seq_lens)
+        partials = (out, part_acc, part_max, part_sum, meta.seq_lens)
         splits_p2 = triton.next_power_of_2(num_splits)
         consts = {"HEAD_DIM": head_dim, "PARTITION_SIZE": partition_size, "SPLITS_P2": splits_p2}
-        _decode_reduce_kernel[(num_seqs, num_heads)](*tensors, *out.stride(), num_heads, num_splits, **consts)
+        _decode_reduce_kernel[(num_seqs, num_heads)](*partials, *out.stride(), num_heads, num_splits, **consts)
     return out
 
 

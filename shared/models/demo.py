@@ -168,12 +168,12 @@ def write_demo_model(model_dir: str | Path, seed: int = 0) -> Path:
         hidden_act="silu",
         bos_token_id=special_ids[BOS_TOKEN],
         eos_token_id=special_ids[EOS_TOKEN],
-        torch_dtype="float32",
+        dtype="float32",
     )
     # fork_rng keeps the caller's global RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config)  # float32, as configured
     save_quietly(model, model_dir)
     write_generation_config(model_dir, special_ids)
     return model_dir

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -171,6 +172,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder stack plus LM head. Parameters start uninitialised; the loader fills them."""
 
+    rope_cos: torch.Tensor  # [max_positions, head_dim] float32 buffer
+    rope_sin: torch.Tensor
+
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
     ) -> None:
@@ -202,9 +206,12 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)  # [T, 1, head_dim]
         sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, layer in enumerate(self.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
         return self.norm(hidden)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -217,7 +224,7 @@ class LlamaModel(nn.Module):
         fused projections hand out row slices of their weight.
         """
         yield "model.embed_tokens.weight", self.embed_tokens.weight.data
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             prefix = f"model.layers.{i}"
             attn, mlp = layer.self_attn, layer.mlp
             q_rows, kv_rows = attn.q_size, attn.kv_size
