@@ -22,6 +22,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # The same architecture in miniature, to test this script on a CPU.
+    "tiny-llama": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=8192, tie_word_embeddings=True, max_position_embeddings=512, rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    ),
 }  # fmt: skip
 
 

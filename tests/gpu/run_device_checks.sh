@@ -15,9 +15,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 $PY -m pytest -q -m gpu tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log"
 $PY -m shared.bench.kernel_bench > "$OUT/kernel_bench.json" 2> "$OUT/kernel_bench.err"
 [ -f "$MODEL/config.json" ] || $PY -m shared.bench.make_checkpoint "$MODEL" --device cuda
-W=(--model "$MODEL" --dtype bfloat16 --device cuda --num-prompts 256 --prompt-len 512 512 --output-len 128 128)
+W=(--model "$MODEL" --dtype bfloat16 --device cuda --max-model-len 1024 --num-prompts 256 --prompt-len 512 512 --output-len 128 128)
 $PY -m shared.bench throughput "${W[@]}" --backend cleave > "$OUT/throughput_cleave.json" 2> "$OUT/throughput_cleave.err"
-$PY -m shared.bench.decode_step --model "$MODEL" --dtype bfloat16 --device cuda --batch-sizes 64 256 \
+$PY -m shared.bench.decode_step --model "$MODEL" --dtype bfloat16 --device cuda --max-model-len 1024 --batch-sizes 64 256 \
     --context-len 576 > "$OUT/decode_step.json" 2> "$OUT/decode_step.err"
 $PY -m shared.bench throughput "${W[@]}" --backend hf --hf-batch-size 256 > "$OUT/throughput_hf.json" 2> "$OUT/throughput_hf.err"
 $PY -m shared.bench throughput "${W[@]}" --backend hf-cb > "$OUT/throughput_hf_cb.json" 2> "$OUT/throughput_hf_cb.err"
