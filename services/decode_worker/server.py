@@ -72,16 +72,21 @@ class DecodeWorker(WorkerBase):
         if request.HasField("kv_handle"):
             admit, transfer = await self._remote_prefill(req, request, context)
         first = True
-        async for delta in self.engine.stream(req, admit):
-            msg = pb.GenerateResponse(
-                tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
-                num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-            )  # fmt: skip
-            if first:
-                first = False
-                for key, value in transfer.items():
-                    setattr(msg, key, value)
-            yield msg
+        try:
+            async for delta in self.engine.stream(req, admit):
+                msg = pb.GenerateResponse(
+                    tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
+                    num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+                )  # fmt: skip
+                if first:
+                    first = False
+                    for key, value in transfer.items():
+                        setattr(msg, key, value)
+                yield msg
+        finally:
+            if admit is not None:
+                # Pulled blocks of a request cancelled before it joined the batch belong to no one else.
+                self.engine.call(lambda: self._free_if_not_joined(req))
 
     async def _remote_prefill(self, req: Request, request: pb.GenerateRequest, context):
         """Pull the prompt's KV; returns how to admit the request and the transfer figures."""
@@ -146,6 +151,11 @@ class DecodeWorker(WorkerBase):
         ids = self.engine.core.kv.allocate_slots(req, num_tokens)
         req.num_computed_tokens = saved
         return ids
+
+    def _free_if_not_joined(self, req: Request) -> None:
+        """Engine thread: after the stream, free blocks the scheduler never took over."""
+        if req.request_id not in self.engine.core.scheduler.requests and not req.is_finished:
+            self.engine.core.kv.free(req.request_id)
 
     def _join(self, req: Request, num_tokens: int) -> None:
         """Engine thread: the pulled KV is in place; continue from the first token."""

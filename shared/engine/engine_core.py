@@ -190,9 +190,6 @@ class EngineCore:
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.abort(request_id)
         if request is None:
-            # Blocks can belong to a request the scheduler does not know (yet): KV being
-            # pulled for it, or a finished prefill's held blocks. Free those too.
-            self.kv.free(request_id)
             return False
         self.runner.release(request_id)
         return True
