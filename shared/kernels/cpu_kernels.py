@@ -36,8 +36,21 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("CLEAVE_CACHE_DIR") or Path.home() / ".cache" / "cleave") / "kernels"
 
 
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags: a library built with -march=native must not run on another CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def _build(compiler: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, platform.machine()]).encode()).hexdigest()
+    described = " ".join([compiler, *FLAGS, platform.machine(), _cpu_fingerprint()])
+    key = hashlib.sha256(SOURCE.read_bytes() + described.encode()).hexdigest()
     target = _cache_dir() / f"paged_decode-{key[:16]}.so"
     if target.exists():
         return target
