@@ -176,3 +176,21 @@ def test_stop_token_id_ends_output_and_is_not_in_text(checkpoint_factory):
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop"
     assert out.text == llm.tokenizer.decode(full.token_ids[:first])
+
+
+def test_bfloat16_engine_serves_and_agrees_with_hf_on_the_first_token(checkpoint_factory):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = checkpoint_factory("qwen3")
+    llm = small_llm(model_dir, dtype="bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    prompts = make_prompts(llm.engine.model_config.vocab_size, set(), count=4, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.outputs[0].token_ids) == 6
+        with torch.inference_mode():
+            hf_first = int(hf(torch.tensor([prompt])).logits[0, -1].float().argmax())
+        # bfloat16 rounding may reorder near-ties; the reference's choice must be among our top 5.
+        assert hf_first in out.outputs[0].logprobs[0]
+    assert llm.engine.stats().num_free_blocks == llm.engine.num_blocks
