@@ -27,7 +27,7 @@ def expected(model_dir):
 @pytest.fixture(scope="module")
 def workers(model_dir):
     prefill = wait_worker(
-        start_worker("prefill", model_dir, "--kv-lease-seconds", "1.5", "--kv-transfer-backend", "tcp")
+        start_worker("prefill", model_dir, "--kv-lease-seconds", "3", "--kv-transfer-backend", "tcp")
     )
     decode = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp"))
     strict = wait_worker(
@@ -90,7 +90,7 @@ def test_lease_expires_and_frees_prefill_blocks(workers):
     prefill(prefill_proc, "lease-1")
     held = stats(prefill_proc, pb_grpc.PrefillWorkerStub)
     assert held.num_leased_requests == 1 and held.num_free_blocks < held.num_total_blocks
-    time.sleep(2.5)
+    time.sleep(4)
     s = stats(prefill_proc, pb_grpc.PrefillWorkerStub)
     assert s.num_leased_requests == 0 and s.num_free_blocks == s.num_total_blocks
 
@@ -98,7 +98,7 @@ def test_lease_expires_and_frees_prefill_blocks(workers):
 def test_expired_lease_is_recomputed_with_same_greedy_tokens(workers, expected):
     prefill_proc, decode_proc, strict_proc = workers
     first = prefill(prefill_proc, "late-1")
-    time.sleep(2.5)  # the lease (1.5 s) runs out before the decode side asks
+    time.sleep(4)  # the lease (3 s) runs out before the decode side asks
     tokens, head = generate(decode_proc, "late-1", first)
     assert head.kv_recomputed and tokens == expected
     with pytest.raises(grpc.RpcError) as err:
