@@ -80,8 +80,13 @@ def test_pull_then_release(workers, expected):
     tokens, head = generate(decode_proc, "ok-1", first)
     assert tokens == expected
     assert head.kv_transfer_bytes > 0 and not head.kv_recomputed
-    time.sleep(0.3)
-    s = stats(prefill_proc, pb_grpc.PrefillWorkerStub)
+    # The release is sent right after the pull, well before the 3 s lease could run out.
+    deadline = time.monotonic() + 2.5
+    while True:
+        s = stats(prefill_proc, pb_grpc.PrefillWorkerStub)
+        if s.num_leased_requests == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert s.num_leased_requests == 0 and s.num_free_blocks == s.num_total_blocks
 
 
