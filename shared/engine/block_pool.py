@@ -25,7 +25,7 @@ class BlockEvent:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -34,6 +34,9 @@ class BlockPool:
         # Blocks with ref_count 0, oldest first: popping from the front evicts the LRU one.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
+        # Stored/evicted events for a consumer that drains them (a KV-event publisher);
+        # off by default, so that nothing accumulates without one.
+        self.record_events = record_events
         self.events: list[BlockEvent] = []
         self.cache_queries = 0  # blocks looked up
         self.cache_hits = 0  # blocks found
@@ -95,14 +98,16 @@ class BlockPool:
             return  # the same content is already cached in another block
         block.block_hash = block_hash
         self._cached[block_hash] = block
-        self.events.append(BlockEvent("stored", block_hash))
+        if self.record_events:
+            self.events.append(BlockEvent("stored", block_hash))
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
-            self.events.append(BlockEvent("evicted", block.block_hash))
+            if self.record_events:
+                self.events.append(BlockEvent("evicted", block.block_hash))
         block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

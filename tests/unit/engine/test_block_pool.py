@@ -12,7 +12,7 @@ def test_allocation_takes_lowest_free_blocks_and_fails_cleanly():
 
 
 def test_freed_cached_blocks_are_evicted_lru_first():
-    pool = BlockPool(3)
+    pool = BlockPool(3, record_events=True)
     a, b, c = pool.get_new_blocks(3)
     pool.cache_block(a, b"ha")
     pool.cache_block(b, b"hb")
@@ -58,3 +58,12 @@ def test_caching_disabled_registers_nothing():
     (a,) = pool.get_new_blocks(1)
     pool.cache_block(a, b"h")
     assert pool.lookup(b"h") is None
+
+
+def test_events_are_not_kept_without_a_consumer():
+    pool = BlockPool(2)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_block(a, b"h")
+    pool.free([a])
+    pool.get_new_blocks(2)
+    assert pool.drain_events() == []
