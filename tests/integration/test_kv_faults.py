@@ -26,9 +26,7 @@ def expected(model_dir):
 
 @pytest.fixture(scope="module")
 def workers(model_dir):
-    prefill = wait_worker(
-        start_worker("prefill", model_dir, "--kv-lease-seconds", "3", "--kv-transfer-backend", "tcp")
-    )
+    prefill = wait_worker(start_worker("prefill", model_dir, "--kv-lease-seconds", "3", "--kv-transfer-backend", "tcp"))
     decode = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp"))
     strict = wait_worker(
         start_worker("decode", model_dir, "--kv-transfer-backend", "tcp", "--kv-pull-failure-policy", "fail")
