@@ -57,6 +57,12 @@ def _gather_context(
     return blocks.flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
 
 
+def causal_mask(q_len: int, seq_len: int) -> torch.Tensor:  # [q_len, seq_len] bool
+    """New token j sits at absolute position seq_len - q_len + j and sees positions up to it."""
+    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
+    return torch.arange(seq_len).unsqueeze(0) <= q_pos
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -79,10 +85,7 @@ def paged_attention(
         if q_len == 1:
             o = F.scaled_dot_product_attention(q, k, v, scale=scale)
         else:
-            # New token j sits at absolute position seq_len - q_len + j.
-            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
-            mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, seq_len]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q_len, seq_len), scale=scale)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -171,8 +174,7 @@ def _prefill_one(
     if q_len == seq_len:  # no cached prefix: plain causal attention
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
-        mask = torch.arange(seq_len).unsqueeze(0) <= q_pos  # [q_len, seq_len]
+        mask = causal_mask(q_len, seq_len)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)
 
