@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from services.kv_transfer.handshake import KVCompatibilityError, PeerInfo, check_peer
+from services.kv_transfer.handshake import KVCompatibilityError, PeerInfo, check_peer, parse_metadata_json
 
 logger = logging.getLogger(__name__)
 
@@ -278,12 +278,7 @@ class KVConnector(ABC):
 
 
 def _decode_envelope(metadata: bytes) -> RemotePeer:
-    try:
-        envelope = json.loads(metadata.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KVCompatibilityError(
-            f"peer KV metadata is not valid JSON ({exc}): run the same Cleave version on all workers"
-        ) from exc
+    envelope = parse_metadata_json(metadata)
     if not isinstance(envelope, dict) or envelope.get("format") != METADATA_FORMAT:
         raise KVCompatibilityError("peer KV metadata is not a Cleave KV connector envelope")
     if envelope.get("version") != METADATA_VERSION:

@@ -49,6 +49,16 @@ def compat_hash(model_id: str, dtype: str, block_size: int, num_layers: int, num
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
+def parse_metadata_json(data: bytes) -> object:
+    """Peer metadata bytes as JSON; anything else is refused as incompatible."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KVCompatibilityError(
+            f"peer KV metadata is not valid JSON ({exc}): run the same Cleave version on all workers"
+        ) from exc
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     """What one worker tells another about its KV cache before any block moves."""
@@ -125,13 +135,7 @@ class PeerInfo:
 
     @classmethod
     def from_json(cls, data: bytes) -> PeerInfo:
-        try:
-            fields = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise KVCompatibilityError(
-                f"peer KV metadata is not valid JSON ({exc}): run the same Cleave version on all workers"
-            ) from exc
-        return cls.from_dict(fields)
+        return cls.from_dict(parse_metadata_json(data))
 
 
 def _worker(info: PeerInfo, fallback: str) -> str:
