@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 MODEL ?= .cache/demo-model
 PORT ?= 8000
 
-.PHONY: install run test test-gpu bench-gpu lint protos protos-check bench demo-model clean
+# Binaries the tests start for real, as `binary:debian-package`; installed with apt-get when missing.
+SYSTEM_DEPS := redis-server:redis-server promtool:prometheus docker-compose:docker-compose
+
+.PHONY: system-deps install run test test-gpu bench-gpu lint protos protos-check bench demo-model clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; install Python 3.11"; exit 1; }
@@ -28,7 +31,15 @@ demo-model: $(MODEL)/config.json
 run: $(STAMP) $(MODEL)/config.json
 	$(VENV)/bin/cleave serve --model $(MODEL) --port $(PORT)
 
-test: $(STAMP) protos-check
+system-deps:
+	@missing=""; for dep in $(SYSTEM_DEPS); do command -v $${dep%%:*} >/dev/null || missing="$$missing $${dep#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  sudo=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+test: $(STAMP) system-deps protos-check
 	$(PY) -m pytest -q -x tests
 
 test-gpu: $(STAMP)
