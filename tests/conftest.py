@@ -22,3 +22,14 @@ def checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
         return made[key]
 
     return factory
+
+
+@pytest.fixture()
+def redis_server():
+    """A real redis-server on a free port, stopped after the test."""
+    from tests.helpers.redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()

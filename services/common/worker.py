@@ -38,6 +38,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--kv-transfer-backend", default=env_default("--kv-transfer-backend", "auto"),
                         choices=["auto", "nixl", "tcp"], help="KV block transfer backend")  # fmt: skip
     parser.add_argument("--log-level", default=env_default("--log-level", "INFO"))
+    parser.add_argument("--redis-url", default=env_default("--redis-url", None),
+                        help="register this worker in Redis for discovery, e.g. redis://127.0.0.1:6379/0 "
+                        "(default: none; the router then needs this worker's address as a flag)")  # fmt: skip
     return parser
 
 
@@ -142,6 +145,18 @@ class WorkerBase:
     def background_tasks(self) -> list[asyncio.Task]:
         return []
 
+    def registry_entry(self, metrics_addr: str):
+        """This worker as the Redis registry describes it (load read without waiting for a step)."""
+        from services.common.registry import WorkerEntry
+
+        stats = self.engine.core.stats()
+        return WorkerEntry(
+            worker_id=self.worker_id, role=self.role, grpc_addr=self.address, metrics_addr=metrics_addr,
+            model=os.path.basename(os.path.abspath(self.args.model)), compat_hash=self.peer_info.compat_hash,
+            block_size=self.engine.core.config.block_size, hash_seed="", num_blocks=stats.num_total_blocks,
+            num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
+        )  # fmt: skip
+
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -167,6 +182,13 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
         metrics_server, _ = start_http_server(args.metrics_port, addr=args.host)
         metrics_port = metrics_server.server_port
     tasks = [asyncio.create_task(worker.metrics_loop())] + worker.background_tasks()
+    registrar = None
+    if args.redis_url:
+        from services.common.registry import WorkerRegistrar
+
+        metrics_addr = f"{args.host}:{metrics_port}" if metrics_port >= 0 else ""
+        registrar = WorkerRegistrar(args.redis_url, lambda: worker.registry_entry(metrics_addr))
+        tasks.append(asyncio.create_task(registrar.run()))
     # One machine-readable line: launchers and tests wait for it.
     print(f"CLEAVE_READY role={worker.role} grpc={args.host}:{port} metrics_port={metrics_port} "
           f"worker_id={worker.worker_id} kv_backend={worker.connector.backend_name}", flush=True)  # fmt: skip
@@ -178,6 +200,8 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
     logger.info("worker stopping role=%s id=%s", worker.role, worker.worker_id)
     for t in tasks:
         t.cancel()
+    if registrar is not None:
+        await registrar.deregister()  # before draining: the router stops sending new work at once
     await server.stop(grace=2)
     worker.connector.close()
     worker.engine.shutdown()

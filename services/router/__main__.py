@@ -18,9 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
     )
-    if not settings.decode_workers:
+    if not settings.decode_workers and not settings.redis_url:
         logging.getLogger("cleave.router").warning(
-            "no --decode-worker given: every generation request will answer 503 until one is configured"
+            "no --decode-worker or --redis-url given: every generation request will answer 503 until one is configured"
         )
     try:
         app = create_app(settings)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,6 +58,7 @@ class RouterState:
     model_config: ModelConfig
     metrics: RouterMetrics
     pools: WorkerPools | None = None
+    watcher: Any = None  # the RegistryWatcher when --redis-url is set
 
     def model_info(self) -> ModelInfo:
         """Context length: the configured one, lowered to the smallest any healthy worker reports."""
@@ -316,6 +318,13 @@ def create_app(
             settings.prefill_workers, settings.decode_workers, settings.routing_policy, state.metrics
         )
         await state.pools.start(settings.health_interval_s)
+        watcher, watch_task = None, None
+        if settings.redis_url:
+            from services.router.discovery import RegistryWatcher
+
+            watcher = RegistryWatcher(settings.redis_url, state.pools)
+            state.watcher = watcher
+            watch_task = asyncio.create_task(watcher.run())
         logger.info(
             "router_started model=%s prefill_workers=%d decode_workers=%d",
             settings.model_name,
@@ -325,6 +334,10 @@ def create_app(
         try:
             yield
         finally:
+            if watch_task is not None and watcher is not None:
+                watch_task.cancel()
+                await asyncio.gather(watch_task, return_exceptions=True)
+                await watcher.close()
             await state.pools.close()
 
     app = FastAPI(title="Cleave router", lifespan=lifespan)

@@ -78,6 +78,8 @@ class WorkerClient:
         self.worker_id = ""
         self.num_in_flight = 0  # calls this router has open on the worker
         self.num_late_polls = 0
+        self.entry: Any = None  # the registry's WorkerEntry for workers found through Redis
+        self.discovered = False  # joined through the registry (so it leaves with its entry)
 
     async def poll(self) -> bool:
         """Refresh health and load; returns the new health."""
@@ -191,6 +193,28 @@ class WorkerPool:
             return rotated[0]
         return min(rotated, key=WorkerClient.load_score)
 
+    def add_worker(self, address: str) -> WorkerClient:
+        """A worker that joined (found in the registry); unhealthy until its first poll."""
+        worker = WorkerClient(address, self.role)
+        self.workers.append(worker)
+        return worker
+
+    def remove_worker(self, worker: WorkerClient) -> None:
+        """Stop routing to ``worker``; its channel closes once this router's calls on it end."""
+        self.workers = [w for w in self.workers if w is not worker]
+        try:
+            self.metrics.worker_healthy.remove(self.role, worker.address)
+        except KeyError:
+            pass
+
+        async def close_when_idle() -> None:
+            deadline = time.monotonic() + 600
+            while worker.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            await worker.channel.close()
+
+        self.spawn(close_when_idle(), "close_channel")
+
     def spawn(self, coro: Awaitable[object], what: str) -> None:
         """Run a best-effort call (abort, release) detached from the request's cancellation."""
 
@@ -235,8 +259,8 @@ class WorkerPools:
     async def start(self, interval_s: float) -> None:
         await asyncio.gather(self.prefill.refresh(), self.decode.refresh())
         for pool in (self.prefill, self.decode):
-            if pool:
-                self._tasks.append(asyncio.create_task(pool.health_loop(interval_s)))
+            # Also for an empty pool: workers found through the registry join later.
+            self._tasks.append(asyncio.create_task(pool.health_loop(interval_s)))
 
     async def close(self) -> None:
         for task in self._tasks:
