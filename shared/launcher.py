@@ -34,6 +34,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
     parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
+    parser.add_argument("--redis", action="store_true",
+                        help="also start a local redis-server; workers register in it and the router discovers them")  # fmt: skip
     return parser.parse_known_args(argv)
 
 
@@ -50,6 +52,31 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
+    def start_redis(self, host: str) -> str:
+        """A local redis-server child on a free port (no persistence); returns its URL."""
+        import shutil
+        import socket
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("--redis needs redis-server on PATH (Debian: apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        cmd = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=_child_setup)
+        proc.name = "redis"  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection((host, port), timeout=0.5):
+                    return f"redis://{host}:{port}/0"
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on {host}:{port}") from None
+                time.sleep(0.05)
+
     def wait_ready_line(self, proc: subprocess.Popen) -> dict[str, str]:
         deadline = time.monotonic() + READY_TIMEOUT_S
         assert proc.stdout is not None
@@ -64,11 +91,18 @@ class Cluster:
         raise RuntimeError(f"{proc.name} not ready after {READY_TIMEOUT_S}s")  # type: ignore[attr-defined]
 
     def stop(self) -> None:
-        for proc in self.procs:
+        # Redis last, so that stopping workers can still deregister.
+        services = [p for p in self.procs if p.name != "redis"]  # type: ignore[attr-defined]
+        self._stop(services)
+        self._stop([p for p in self.procs if p not in services])
+
+    @staticmethod
+    def _stop(procs: list[subprocess.Popen]) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        for proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -131,12 +165,18 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
         if args.metrics:
             common += ["--metrics-port", "0"]
+        redis_args: list[str] = []
+        if args.redis:
+            redis_url = cluster.start_redis(args.host)
+            redis_args = ["--redis-url", redis_url]
+            common += redis_args
+            print(f"redis ready url={redis_url}", flush=True)
         pending = [
             cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
         ]
         pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                       "--served-model-name", Path(args.model).name]  # fmt: skip
+                       "--served-model-name", Path(args.model).name, *redis_args]  # fmt: skip
         for proc in pending:
             info = cluster.wait_ready_line(proc)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,14 +30,33 @@ def _alive(pid: int) -> bool:
     return bool(stat) and not stat.startswith("Z")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_serve_answers_and_stops_all_children(checkpoint_factory, sig):
+def _assert_registered(lines: list[str], count: int) -> None:
+    """Both workers are in the Redis registry that ``cleave serve --redis`` started."""
+    from services.common.registry import connect, read_registry
+
+    url = next(ln.split("url=")[1].strip() for ln in lines if ln.startswith("redis ready"))
+
+    async def read() -> int:
+        client = connect(url)
+        deadline = time.monotonic() + 30
+        while len(entries := await read_registry(client)) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await client.aclose()
+        return len(entries)
+
+    assert asyncio.run(read()) == count
+
+
+@pytest.mark.parametrize("sig,redis", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_serve_answers_and_stops_all_children(checkpoint_factory, sig, redis):
+    if redis and shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (make test installs it)")
     model_dir = checkpoint_factory("llama")
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--kv-cache-memory", "32MiB", "--dtype", "float32"],
+         "--kv-cache-memory", "32MiB", "--dtype", "float32", *(["--redis"] if redis else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
     lines = []
@@ -49,7 +70,9 @@ def test_serve_answers_and_stops_all_children(checkpoint_factory, sig):
                 break
         assert any(f"http://127.0.0.1:{port}/v1" in ln for ln in lines)
         children = _children(proc.pid)
-        assert len(children) == 3  # router, prefill worker, decode worker
+        assert len(children) == 3 + redis  # router, prefill worker, decode worker (, redis-server)
+        if redis:
+            _assert_registered(lines, 2)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         out = client.chat.completions.create(
             model=model_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5
