@@ -48,6 +48,7 @@ class WorkerEntry:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    kv_events: int = 0  # 1: publishes KV events to its stream (see services.common.kv_events)
     version: int = REGISTRY_VERSION
 
     def to_mapping(self) -> dict[str, str]:

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import uuid
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, start_http_server
@@ -115,6 +116,7 @@ class WorkerBase:
             "cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]
         ).labels(role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name).set(1)
         self.num_leased = 0
+        self.kv_events: Any = None  # a KVEventPublisher when --redis-url is set
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info(
             "worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name
@@ -142,6 +144,15 @@ class WorkerBase:
         found = await self.engine.run(lambda: self.engine.core.abort(request.request_id))
         return pb.AbortResponse(found=bool(found))
 
+    async def ListCachedBlocks(self, request, context) -> pb.ListCachedBlocksResponse:
+        publisher = self.kv_events
+        if publisher is not None:
+            hashes, seq = await self.engine.run(publisher.snapshot)
+        else:
+            hashes, seq = await self.engine.run(self.engine.core.kv.pool.cached_hashes), 0
+        return pb.ListCachedBlocksResponse(block_hashes=hashes, event_seq=seq,
+                                           block_size=self.engine.core.config.block_size)  # fmt: skip
+
     def background_tasks(self) -> list[asyncio.Task]:
         return []
 
@@ -155,6 +166,7 @@ class WorkerBase:
             model=os.path.basename(os.path.abspath(self.args.model)), compat_hash=self.peer_info.compat_hash,
             block_size=self.engine.core.config.block_size, hash_seed="", num_blocks=stats.num_total_blocks,
             num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
+            kv_events=int(self.kv_events is not None),
         )  # fmt: skip
 
     async def invalid(self, context, e: InvalidRequestError) -> None:
@@ -189,6 +201,11 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
         metrics_addr = f"{args.host}:{metrics_port}" if metrics_port >= 0 else ""
         registrar = WorkerRegistrar(args.redis_url, lambda: worker.registry_entry(metrics_addr))
         tasks.append(asyncio.create_task(registrar.run()))
+        if worker.engine.core.config.enable_prefix_caching:
+            from services.common.kv_events import KVEventPublisher
+
+            worker.kv_events = KVEventPublisher(args.redis_url, worker.engine, worker.worker_id)
+            tasks.append(asyncio.create_task(worker.kv_events.run()))
     # One machine-readable line: launchers and tests wait for it.
     print(f"CLEAVE_READY role={worker.role} grpc={args.host}:{port} metrics_port={metrics_port} "
           f"worker_id={worker.worker_id} kv_backend={worker.connector.backend_name}", flush=True)  # fmt: skip
@@ -202,6 +219,8 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
         t.cancel()
     if registrar is not None:
         await registrar.deregister()  # before draining: the router stops sending new work at once
+    if worker.kv_events is not None:
+        await worker.kv_events.close()
     await server.stop(grace=2)
     worker.connector.close()
     worker.engine.shutdown()

@@ -59,6 +59,7 @@ class RouterState:
     metrics: RouterMetrics
     pools: WorkerPools | None = None
     watcher: Any = None  # the RegistryWatcher when --redis-url is set
+    kv_router: Any = None  # the KVRouter under --routing-policy kv_aware
 
     def model_info(self) -> ModelInfo:
         """Context length: the configured one, lowered to the smallest any healthy worker reports."""
@@ -73,6 +74,22 @@ class RouterState:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=frozenset(eos),
         )
+
+
+def start_kv_routing(state: RouterState) -> tuple[Any, asyncio.Task | None]:
+    """kv_aware: the KV index, the reader of the workers' event streams, and the router that uses them."""
+    settings = state.settings
+    if settings.routing_policy != "kv_aware" or state.watcher is None or not settings.redis_url:
+        return None, None
+    from services.router.kv_events import KVEventReader
+    from services.router.kv_index import KVIndex
+    from services.router.kv_routing import KVRouter
+
+    index = KVIndex(settings.kv_index_max_entries)
+    reader = KVEventReader(settings.redis_url, state.watcher, index)
+    state.kv_router = KVRouter(index, state.watcher, settings.kv_overlap_weight, settings.router_temperature,
+                               settings.disagg_min_uncached_tokens)  # fmt: skip
+    return reader, asyncio.create_task(reader.run())
 
 
 def log_request(**fields: object) -> None:
@@ -197,6 +214,7 @@ def start_choices(
         state.settings.disagg_min_prompt_tokens,
         state.metrics,
         run.timer,
+        state.kv_router,
     )
     eos = state.model_info().eos_token_ids
 
@@ -325,6 +343,7 @@ def create_app(
             watcher = RegistryWatcher(settings.redis_url, state.pools)
             state.watcher = watcher
             watch_task = asyncio.create_task(watcher.run())
+        kv_reader, kv_task = start_kv_routing(state)
         logger.info(
             "router_started model=%s prefill_workers=%d decode_workers=%d",
             settings.model_name,
@@ -334,6 +353,10 @@ def create_app(
         try:
             yield
         finally:
+            if kv_task is not None and kv_reader is not None:
+                kv_task.cancel()
+                await asyncio.gather(kv_task, return_exceptions=True)
+                await kv_reader.close()
             if watch_task is not None and watcher is not None:
                 watch_task.cancel()
                 await asyncio.gather(watch_task, return_exceptions=True)
@@ -373,6 +396,13 @@ def create_app(
         }
         healthy = bool(state.pools.decode.healthy_workers())
         return JSONResponse({"status": "ok" if healthy else "unavailable", **body}, status_code=200 if healthy else 503)
+
+    @app.get("/kv_index")
+    async def kv_index() -> JSONResponse:
+        """What the router's KV index holds per worker: block count and a digest of the hashes."""
+        if state.kv_router is None:
+            raise APIError(404, "no KV index: the router runs with --routing-policy kv_aware only", "not_found")
+        return JSONResponse(state.kv_router.index.summary())
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

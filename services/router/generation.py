@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.router.kv_routing import KVRouter, PromptBlocks
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPools
@@ -54,6 +55,20 @@ class CallContext:
     disagg_min_prompt_tokens: int
     metrics: RouterMetrics
     timer: RequestTimer
+    kv_router: KVRouter | None = None  # kv_aware routing (with --redis-url)
+
+
+@dataclass
+class Route:
+    """Where kv_aware routing sends one choice: the prompt's blocks and the decode worker it prefers."""
+
+    blocks: PromptBlocks
+    decode_worker: WorkerClient
+    decode_overlap: int
+
+    def prefill_blocks(self, ctx: CallContext, worker: WorkerClient) -> int:
+        assert ctx.kv_router is not None
+        return len(self.blocks.hashes) - ctx.kv_router.overlap(worker, self.blocks)
 
 
 @dataclass
@@ -108,19 +123,22 @@ def rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
     return APIError(500, f"{role} worker {address} failed: {code.name}: {detail}", "server_error")
 
 
-async def _prefill(ctx: CallContext, spec: ChoiceSpec) -> tuple[WorkerClient, worker_pb2.PrefillResponse] | None:
+async def _prefill(
+    ctx: CallContext, spec: ChoiceSpec, route: Route | None = None
+) -> tuple[WorkerClient, worker_pb2.PrefillResponse] | None:
     """First token and KV handle from a prefill worker; None means: run aggregated instead."""
     pool, tried = ctx.pools.prefill, set[str]()
+    choose = ctx.kv_router.chooser(route.blocks) if ctx.kv_router and route else None
     request = worker_pb2.PrefillRequest(
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
     while True:
         try:
-            worker = await pool.pick(tried)
+            worker = await pool.pick(tried, choose)
         except NoWorkerAvailable as e:
             logger.info("prefill_fallback request_id=%s reason=%r", spec.request_id, str(e))
             return None
-        with worker.track():
+        with worker.track(route.prefill_blocks(ctx, worker) if route else 0):
             try:
                 return worker, await worker.stub.Prefill(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
             except asyncio.CancelledError:
@@ -138,18 +156,21 @@ async def _prefill(ctx: CallContext, spec: ChoiceSpec) -> tuple[WorkerClient, wo
 
 
 async def _decode(
-    ctx: CallContext, request: worker_pb2.GenerateRequest
+    ctx: CallContext, request: worker_pb2.GenerateRequest, route: Route | None = None
 ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """Stream ``Generate`` from a decode worker, moving on to another one if a worker is unreachable."""
     pool, tried = ctx.pools.decode, set[str]()
+    preferred = route.decode_worker if route and route.decode_worker in pool.workers else None
+    choose = ctx.kv_router.chooser(route.blocks) if ctx.kv_router and route else None
     while True:
         try:
-            worker = await pool.pick(tried)
+            worker = preferred or await pool.pick(tried, choose)
         except NoWorkerAvailable as e:
             raise APIError(503, str(e), "service_unavailable") from None
+        preferred = None
         call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
         received = finished = unreachable = False
-        with worker.track():
+        with worker.track(len(route.blocks.hashes) if route else 0):
             try:
                 async for response in call:
                     received = True
@@ -177,20 +198,40 @@ async def _decode(
                     pool.abort(worker, request.request_id, ctx.metadata)
 
 
+async def plan_route(ctx: CallContext, spec: ChoiceSpec) -> Route | None:
+    """kv_aware: hash the prompt and choose the decode worker first (its cache decides disaggregation)."""
+    kv = ctx.kv_router
+    if kv is None:
+        return None
+    blocks = kv.prompt_blocks(spec.prompt_ids)
+    if blocks is None:
+        return None
+    try:
+        decode_worker = await ctx.pools.decode.pick(None, kv.chooser(blocks))
+    except NoWorkerAvailable as e:
+        raise APIError(503, str(e), "service_unavailable") from None
+    return Route(blocks, decode_worker, kv.overlap(decode_worker, blocks))
+
+
 async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """All token batches of one choice, from whichever path serves it; the last one has a finish reason."""
     request = worker_pb2.GenerateRequest(
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
+    route = await plan_route(ctx, spec)
     disaggregate = (
         bool(ctx.pools.prefill)
         and (spec.params.max_tokens or 0) > 1
         and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens
     )
-    prefilled = await _prefill(ctx, spec) if disaggregate else None
+    if route is not None and ctx.kv_router is not None:
+        # Disaggregate by what the chosen decode worker would still have to compute, not by prompt length.
+        uncached = route.blocks.uncached_tokens(len(spec.prompt_ids), route.decode_overlap)
+        disaggregate = disaggregate and uncached >= ctx.kv_router.min_uncached_tokens
+    prefilled = await _prefill(ctx, spec, route) if disaggregate else None
     ctx.metrics.routed.labels("disaggregated" if prefilled else "aggregated").inc()
     if prefilled is None:
-        async with aclosing(_decode(ctx, request)) as responses:
+        async with aclosing(_decode(ctx, request, route)) as responses:
             async for response in responses:
                 yield response
         return
@@ -207,7 +248,7 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
             return
         request.first_token.CopyFrom(first.first_token)
         request.kv_handle.CopyFrom(first.kv_handle)
-        async with aclosing(_decode(ctx, request)) as responses:
+        async with aclosing(_decode(ctx, request, route)) as responses:
             async for response in responses:
                 finished = bool(response.finish_reason)
                 yield response

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-ROUTING_POLICIES = ("least_loaded", "round_robin")
+ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -32,6 +32,10 @@ class RouterSettings:
     rpc_timeout_s: float = 600.0
     log_level: str = "info"
     redis_url: str | None = None
+    kv_overlap_weight: float = 1.0
+    router_temperature: float = 0.0
+    disagg_min_uncached_tokens: int = 128
+    kv_index_max_entries: int = 1_000_000
 
     @property
     def model_name(self) -> str:
@@ -84,13 +88,39 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--served-model-name", "model name clients send in requests (default: the --model value)")
     add("--max-model-len", "context length override (default: from config.json)", type=int)
-    add("--routing-policy", "how to choose among workers", choices=ROUTING_POLICIES, default="least_loaded")
+    add(
+        "--routing-policy",
+        "how to choose among workers; kv_aware (the default with --redis-url) weighs each worker's cached "
+        "prefix of the prompt against its queued work and needs the workers' KV events in Redis",
+        choices=ROUTING_POLICIES,
+    )
     add(
         "--disagg-min-prompt-tokens",
         "prompts shorter than this skip the prefill pool and run aggregated on a decode worker",
         type=int,
         default=0,
     )
+    add(
+        "--kv-overlap-weight",
+        "kv_aware: cost of one prompt block a worker must compute, against one block of queued work",
+        type=float,
+        default=1.0,
+    )
+    add(
+        "--router-temperature",
+        "kv_aware: 0 picks the cheapest worker; above 0 draws among near-equals (softmax of normalised cost)",
+        type=float,
+        default=0.0,
+    )
+    add(
+        "--disagg-min-uncached-tokens",
+        "kv_aware: when the chosen decode worker's cache leaves fewer prompt tokens than this to compute, "
+        "it runs the request whole (no remote prefill)",
+        type=int,
+        default=128,
+    )
+    add("--kv-index-max-entries", "kv_aware: bound on (block, worker) entries in the router's index", type=int,
+        default=1_000_000)  # fmt: skip
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
@@ -112,6 +142,13 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if args.health_interval <= 0:
         parser.error(f"--health-interval must be > 0, got {args.health_interval}")
+    policy = args.routing_policy or ("kv_aware" if args.redis_url else "least_loaded")
+    if policy == "kv_aware" and not args.redis_url:
+        parser.error("--routing-policy kv_aware needs --redis-url (the workers publish their KV events there)")
+    if args.kv_overlap_weight < 0 or args.router_temperature < 0 or args.disagg_min_uncached_tokens < 0:
+        parser.error("--kv-overlap-weight, --router-temperature and --disagg-min-uncached-tokens must be >= 0")
+    if args.kv_index_max_entries < 1:
+        parser.error(f"--kv-index-max-entries must be >= 1, got {args.kv_index_max_entries}")
     prefill_workers = args.prefill_worker or _split_addrs(env.get(_env_name("--prefill-worker"), ""))
     decode_workers = args.decode_worker or _split_addrs(env.get(_env_name("--decode-worker"), ""))
     return RouterSettings(
@@ -122,10 +159,14 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         decode_workers=tuple(decode_workers),
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
-        routing_policy=args.routing_policy,
+        routing_policy=policy,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
         log_level=args.log_level,
         redis_url=args.redis_url,
+        kv_overlap_weight=args.kv_overlap_weight,
+        router_temperature=args.router_temperature,
+        disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
+        kv_index_max_entries=args.kv_index_max_entries,
     )

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -77,6 +77,7 @@ class WorkerClient:
         self.max_model_len = 0
         self.worker_id = ""
         self.num_in_flight = 0  # calls this router has open on the worker
+        self.in_flight_blocks = 0  # KV blocks those calls make the worker compute or hold (kv_aware)
         self.num_late_polls = 0
         self.entry: Any = None  # the registry's WorkerEntry for workers found through Redis
         self.discovered = False  # joined through the registry (so it leaves with its entry)
@@ -124,13 +125,15 @@ class WorkerClient:
         return (self.num_in_flight + waiting, usage)
 
     @contextmanager
-    def track(self) -> Iterator[None]:
-        """Count a call as in flight on this worker for load balancing."""
+    def track(self, num_blocks: int = 0) -> Iterator[None]:
+        """Count a call (and the KV blocks it costs) as in flight on this worker for load balancing."""
         self.num_in_flight += 1
+        self.in_flight_blocks += num_blocks
         try:
             yield
         finally:
             self.num_in_flight -= 1
+            self.in_flight_blocks -= num_blocks
 
 
 class WorkerPool:
@@ -170,8 +173,13 @@ class WorkerPool:
             except Exception:  # a poll bug must not stop polling
                 logger.exception("health_poll_failed role=%s", self.role)
 
-    async def pick(self, exclude: set[str] | None = None) -> WorkerClient:
-        """A healthy worker not in ``exclude`` (addresses); polls once on demand if none is known healthy."""
+    async def pick(
+        self, exclude: set[str] | None = None, choose: Callable[[list[WorkerClient]], WorkerClient] | None = None
+    ) -> WorkerClient:
+        """A healthy worker not in ``exclude`` (addresses); polls once on demand if none is known healthy.
+
+        ``choose`` (kv_aware routing) picks among the candidates, given in rotated order.
+        """
         exclude = exclude or set()
         candidates = [w for w in self.healthy_workers() if w.address not in exclude]
         if not candidates and self.workers:
@@ -189,6 +197,8 @@ class WorkerPool:
         start = self._cursor % len(candidates)
         self._cursor += 1
         rotated = candidates[start:] + candidates[:start]
+        if choose is not None:
+            return choose(rotated)
         if self.policy == "round_robin":
             return rotated[0]
         return min(rotated, key=WorkerClient.load_score)

@@ -115,6 +115,10 @@ class BlockPool:
             if block.ref_count == 0:
                 self._evict(block)
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds now (a snapshot for KV-event consumers)."""
+        return list(self._cached)
+
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
         return events

@@ -103,18 +103,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "kv_handle")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "kv_handle", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     first_token: TokenOutput
     kv_handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_transfer_bytes", "kv_transfer_seconds", "kv_recomputed")
@@ -223,3 +225,17 @@ class LoadStatsResponse(_message.Message):
     kv_transfer_count: int
     kv_transfer_failures: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_leased_requests: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., kv_transfer_bytes_total: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
+
+class ListCachedBlocksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListCachedBlocksResponse(_message.Message):
+    __slots__ = ("block_hashes", "event_seq", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    event_seq: int
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., event_seq: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class PrefillWorkerStub:
                 request_serializer=cleave_dot_v1_dot_worker__pb2.LoadStatsRequest.SerializeToString,
                 response_deserializer=cleave_dot_v1_dot_worker__pb2.LoadStatsResponse.FromString,
                 _registered_method=True)
+        self.ListCachedBlocks = channel.unary_unary(
+                '/cleave.v1.PrefillWorker/ListCachedBlocks',
+                request_serializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -105,6 +110,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCachedBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.LoadStats,
                     request_deserializer=cleave_dot_v1_dot_worker__pb2.LoadStatsRequest.FromString,
                     response_serializer=cleave_dot_v1_dot_worker__pb2.LoadStatsResponse.SerializeToString,
+            ),
+            'ListCachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCachedBlocks,
+                    request_deserializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +327,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ListCachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cleave.v1.PrefillWorker/ListCachedBlocks',
+            cleave_dot_v1_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+            cleave_dot_v1_dot_worker__pb2.ListCachedBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -341,6 +384,11 @@ class DecodeWorkerStub:
                 request_serializer=cleave_dot_v1_dot_worker__pb2.LoadStatsRequest.SerializeToString,
                 response_deserializer=cleave_dot_v1_dot_worker__pb2.LoadStatsResponse.FromString,
                 _registered_method=True)
+        self.ListCachedBlocks = channel.unary_unary(
+                '/cleave.v1.DecodeWorker/ListCachedBlocks',
+                request_serializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+                response_deserializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -370,6 +418,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCachedBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -392,6 +446,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.LoadStats,
                     request_deserializer=cleave_dot_v1_dot_worker__pb2.LoadStatsRequest.FromString,
                     response_serializer=cleave_dot_v1_dot_worker__pb2.LoadStatsResponse.SerializeToString,
+            ),
+            'ListCachedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCachedBlocks,
+                    request_deserializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksRequest.FromString,
+                    response_serializer=cleave_dot_v1_dot_worker__pb2.ListCachedBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -502,6 +561,33 @@ class DecodeWorker:
             '/cleave.v1.DecodeWorker/LoadStats',
             cleave_dot_v1_dot_worker__pb2.LoadStatsRequest.SerializeToString,
             cleave_dot_v1_dot_worker__pb2.LoadStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCachedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cleave.v1.DecodeWorker/ListCachedBlocks',
+            cleave_dot_v1_dot_worker__pb2.ListCachedBlocksRequest.SerializeToString,
+            cleave_dot_v1_dot_worker__pb2.ListCachedBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
