@@ -36,6 +36,23 @@ class PullFailed(Exception):
     pass
 
 
+def continue_migrated(req: Request, request: pb.GenerateRequest, max_model_len: int) -> None:
+    """A request moved here mid-stream: its generated tokens become output, recomputed with the prompt."""
+    generated = list(request.generated_token_ids)
+    params = req.sampling_params
+    if request.HasField("kv_handle"):
+        raise InvalidRequestError("generated_token_ids continue a request here; it cannot also carry a kv_handle")
+    if params.max_tokens is not None and len(generated) >= params.max_tokens:
+        raise InvalidRequestError(f"{len(generated)} tokens already generated, max_tokens is {params.max_tokens}")
+    if req.num_prompt_tokens + len(generated) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({req.num_prompt_tokens}) plus generated ({len(generated)}) tokens leave no room in the "
+            f"context of {max_model_len}"
+        )
+    for token_id in generated:
+        req.append_output_token(token_id)
+
+
 class DecodeWorker(WorkerBase):
     role = "decode"
 
@@ -66,6 +83,8 @@ class DecodeWorker(WorkerBase):
             req = await self.engine.run(
                 lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
             )
+            if request.generated_token_ids:
+                continue_migrated(req, request, core.max_model_len)
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}

@@ -215,6 +215,7 @@ def start_choices(
         state.metrics,
         run.timer,
         state.kv_router,
+        state.settings.migration_limit,
     )
     eos = state.model_info().eos_token_ids
 

@@ -25,7 +25,7 @@ import grpc
 from services.router.kv_routing import KVRouter, PromptBlocks
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
-from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPools
+from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
 from shared.engine.sampling_params import SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, holdback_len
@@ -56,6 +56,7 @@ class CallContext:
     metrics: RouterMetrics
     timer: RequestTimer
     kv_router: KVRouter | None = None  # kv_aware routing (with --redis-url)
+    migration_limit: int = 3  # times a stream may move to another decode worker
 
 
 @dataclass
@@ -155,47 +156,116 @@ async def _prefill(
                     raise rpc_error(e, "prefill", worker.address) from None
 
 
+# Codes with which a decode stream that already produced tokens may move to another worker.
+MIGRATABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+     grpc.StatusCode.ABORTED}
+)  # fmt: skip
+
+
+class WorkerUnreachable(Exception):
+    """The decode worker refused the connection before producing anything: try another, same request."""
+
+
+class StreamBroke(Exception):
+    """A decode stream ended mid-generation for a reason another worker can recover from."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def migrated_request(request: worker_pb2.GenerateRequest, generated: list[int]) -> worker_pb2.GenerateRequest:
+    """The same request for another decode worker: prompt plus the tokens the client already has."""
+    moved = worker_pb2.GenerateRequest(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=request.sampling
+    )
+    moved.generated_token_ids.extend(generated)
+    return moved
+
+
 async def _decode(
     ctx: CallContext, request: worker_pb2.GenerateRequest, route: Route | None = None
 ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
-    """Stream ``Generate`` from a decode worker, moving on to another one if a worker is unreachable."""
+    """Stream ``Generate`` from a decode worker, moving on to another one if a worker is unreachable,
+    and migrating the request (prompt + tokens so far) if its worker fails mid-stream."""
     pool, tried = ctx.pools.decode, set[str]()
     preferred = route.decode_worker if route and route.decode_worker in pool.workers else None
     choose = ctx.kv_router.chooser(route.blocks) if ctx.kv_router and route else None
+    # Tokens the client has: the prefill worker's first token, then what decode streams yield.
+    generated = [request.first_token.token_id] if request.HasField("first_token") else []
+    generated.extend(request.generated_token_ids)
+    num_migrations = 0
+    broken: APIError | None = None  # why the last stream failed, if one did
     while True:
         try:
             worker = preferred or await pool.pick(tried, choose)
         except NoWorkerAvailable as e:
-            raise APIError(503, str(e), "service_unavailable") from None
+            raise broken or APIError(503, str(e), "service_unavailable") from None
         preferred = None
-        call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
-        received = finished = unreachable = False
-        with worker.track(len(route.blocks.hashes) if route else 0):
-            try:
-                async for response in call:
-                    received = True
-                    if response.finish_reason == "abort":
-                        raise APIError(
-                            503, f"decode worker {worker.address} aborted the request", "service_unavailable"
-                        )
-                    finished = bool(response.finish_reason)
-                    yield response
-                    if finished:
-                        return
-                raise APIError(
+        try:
+            async for response in _decode_on(ctx, pool, worker, request, route):
+                generated.extend(t.token_id for t in response.tokens)
+                yield response
+                if response.finish_reason:
+                    return
+            return
+        except WorkerUnreachable:
+            tried.add(worker.address)
+        except StreamBroke as broke:
+            tried.add(worker.address)
+            if num_migrations >= ctx.migration_limit:
+                raise broke.error from None
+            num_migrations += 1
+            logger.warning("stream_migrated request_id=%s from=%s generated=%d migration=%d reason=%r",
+                           request.request_id, worker.address, len(generated), num_migrations, broke.error.message)  # fmt: skip
+            request = migrated_request(request, generated)
+            broken = broke.error
+
+
+async def _decode_on(
+    ctx: CallContext,
+    pool: WorkerPool,
+    worker: WorkerClient,
+    request: worker_pb2.GenerateRequest,
+    route: Route | None,
+) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+    """One ``Generate`` stream on ``worker``; raises ``StreamBroke`` if it fails in a way another worker
+    can recover from, ``WorkerUnreachable`` if the worker refused the call before it started."""
+    call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
+    received = finished = unreachable = False
+    with worker.track(len(route.blocks.hashes) if route else 0):
+        try:
+            async for response in call:
+                received = True
+                if response.finish_reason == "abort":
+                    raise StreamBroke(
+                        APIError(503, f"decode worker {worker.address} aborted the request", "service_unavailable")
+                    )
+                finished = bool(response.finish_reason)
+                yield response
+                if finished:
+                    return
+            raise StreamBroke(
+                APIError(
                     500, f"decode worker {worker.address} ended the stream without a finish reason", "server_error"
                 )
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or received:
-                    raise rpc_error(e, "decode", worker.address) from None
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not received:
                 worker.mark_unreachable()
-                tried.add(worker.address)
                 unreachable = True
-            finally:
-                if not finished and not unreachable:
-                    # Cancelling the stream lets the worker notice; Abort frees its blocks at once.
-                    call.cancel()
-                    pool.abort(worker, request.request_id, ctx.metadata)
+                raise WorkerUnreachable() from None
+            if e.code() in MIGRATABLE and received:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    worker.mark_unreachable()
+                raise StreamBroke(rpc_error(e, "decode", worker.address)) from None
+            raise rpc_error(e, "decode", worker.address) from None
+        finally:
+            if not finished and not unreachable:
+                # Cancelling the stream lets the worker notice; Abort frees its blocks at once.
+                call.cancel()
+                pool.abort(worker, request.request_id, ctx.metadata)
 
 
 async def plan_route(ctx: CallContext, spec: ChoiceSpec) -> Route | None:

@@ -36,6 +36,7 @@ class RouterSettings:
     router_temperature: float = 0.0
     disagg_min_uncached_tokens: int = 128
     kv_index_max_entries: int = 1_000_000
+    migration_limit: int = 3
 
     @property
     def model_name(self) -> str:
@@ -121,6 +122,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add("--kv-index-max-entries", "kv_aware: bound on (block, worker) entries in the router's index", type=int,
         default=1_000_000)  # fmt: skip
+    add(
+        "--migration-limit",
+        "times a stream whose decode worker fails mid-generation moves to another one (prompt plus the "
+        "tokens so far); 0: the client gets an error event instead",
+        type=int,
+        default=3,
+    )
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
@@ -147,6 +155,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--routing-policy kv_aware needs --redis-url (the workers publish their KV events there)")
     if args.kv_overlap_weight < 0 or args.router_temperature < 0 or args.disagg_min_uncached_tokens < 0:
         parser.error("--kv-overlap-weight, --router-temperature and --disagg-min-uncached-tokens must be >= 0")
+    if args.migration_limit < 0:
+        parser.error(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if args.kv_index_max_entries < 1:
         parser.error(f"--kv-index-max-entries must be >= 1, got {args.kv_index_max_entries}")
     prefill_workers = args.prefill_worker or _split_addrs(env.get(_env_name("--prefill-worker"), ""))
@@ -169,4 +179,5 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         router_temperature=args.router_temperature,
         disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
         kv_index_max_entries=args.kv_index_max_entries,
+        migration_limit=args.migration_limit,
     )

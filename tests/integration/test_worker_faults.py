@@ -18,7 +18,7 @@ def cluster(checkpoint_factory):
     model_dir = checkpoint_factory("llama", max_position_embeddings=4096)
     prefill = wait_worker(start_worker("prefill", model_dir, "--kv-transfer-backend", "tcp"))
     decodes = [wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp")) for _ in range(2)]
-    router, base = start_router(model_dir, [prefill], decodes)
+    router, base = start_router(model_dir, [prefill], decodes, "--migration-limit", "0")
     yield prefill, decodes, router, base
     for p in [router, prefill, *decodes]:
         p.stop()
