@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
+from services.router.limits import api_key_error, overload_error, retry_after_headers, with_deadline
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.router.serving import (
@@ -222,7 +223,7 @@ def start_choices(
     def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
         return ChoiceDecoder(state.tokenizer, spec, eos)
 
-    return run_choices(ctx, run.prep.specs, make_decoder)
+    return with_deadline(run_choices(ctx, run.prep.specs, make_decoder), state.settings.request_timeout_s)
 
 
 async def serve_generation(
@@ -238,6 +239,10 @@ async def serve_generation(
     run: RequestRun | None = None
     events: AsyncGenerator | None = None
     try:
+        assert state.pools is not None
+        overloaded = overload_error(state.pools, state.settings.max_queued_requests)
+        if overloaded is not None:
+            raise overloaded
         prep = prepare(request_id)
         run = RequestRun(state, endpoint, prep)
         events = start_choices(state, run, request.headers.get("traceparent"))
@@ -262,7 +267,7 @@ async def serve_generation(
         else:
             state.metrics.requests.labels(endpoint, str(e.status_code)).inc()
             log_request(request_id=request_id, endpoint=endpoint, status=e.status_code, error=repr(e.message))
-        return JSONResponse(e.body(), status_code=e.status_code, headers=headers)
+        return JSONResponse(e.body(), status_code=e.status_code, headers={**headers, **retry_after_headers(e)})
     except Exception:
         logger.exception("request_failed request_id=%s", request_id)
         error = APIError(500, "internal error in the router; see its log", "server_error")
@@ -312,6 +317,20 @@ def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled_error path=%s", request.url.path, exc_info=exc)
         return answer(request, APIError(500, "internal error in the router; see its log", "server_error"))
+
+
+def install_api_key_check(app: FastAPI, api_key: str, metrics: RouterMetrics) -> None:
+    """``/v1/*`` answers 401 without ``Authorization: Bearer <api_key>``."""
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Callable) -> Response:
+        if request.url.path.startswith("/v1/"):
+            error = api_key_error(request.headers.get("authorization"), api_key)
+            if error is not None:
+                metrics.requests.labels(request.url.path, "401").inc()
+                log_request(endpoint=request.url.path, status=401, error=repr(error.message))
+                return JSONResponse(error.body(), status_code=401, headers={"www-authenticate": "Bearer"})
+        return await call_next(request)
 
 
 def load_model(settings: RouterSettings) -> tuple[Tokenizer, ModelConfig]:
@@ -367,6 +386,8 @@ def create_app(
     app = FastAPI(title="Cleave router", lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app, state.metrics)
+    if settings.api_key:
+        install_api_key_check(app, settings.api_key, state.metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

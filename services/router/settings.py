@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -37,6 +37,9 @@ class RouterSettings:
     disagg_min_uncached_tokens: int = 128
     kv_index_max_entries: int = 1_000_000
     migration_limit: int = 3
+    api_key: str | None = field(default=None, repr=False)
+    max_queued_requests: int = 0
+    request_timeout_s: float | None = None
 
     @property
     def model_name(self) -> str:
@@ -129,6 +132,16 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=int,
         default=3,
     )
+    add("--api-key", "require 'Authorization: Bearer <key>' on /v1/* (/health and /metrics stay open)")
+    add(
+        "--max-queued-requests",
+        "answer 429 with Retry-After when every worker of a pool has this many of the router's requests "
+        "in flight (0: no limit)",
+        type=int,
+        default=0,
+    )
+    add("--request-timeout", "seconds a whole request (stream included) may run before a 504 (default: none)",
+        type=float)  # fmt: skip
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
@@ -155,6 +168,12 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error("--routing-policy kv_aware needs --redis-url (the workers publish their KV events there)")
     if args.kv_overlap_weight < 0 or args.router_temperature < 0 or args.disagg_min_uncached_tokens < 0:
         parser.error("--kv-overlap-weight, --router-temperature and --disagg-min-uncached-tokens must be >= 0")
+    if args.max_queued_requests < 0:
+        parser.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        parser.error(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key must not be empty")
     if args.migration_limit < 0:
         parser.error(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if args.kv_index_max_entries < 1:
@@ -180,4 +199,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         disagg_min_uncached_tokens=args.disagg_min_uncached_tokens,
         kv_index_max_entries=args.kv_index_max_entries,
         migration_limit=args.migration_limit,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout_s=args.request_timeout,
     )
