@@ -2,11 +2,15 @@
 
 Requests arrive as a Poisson process (``--request-rate``, ``inf`` for one
 burst), each a streamed ``/v1/completions`` call with token-id prompts from the
-throughput workload (optionally mixed with long prompts), EOS ignored. Prints
+throughput workload (optionally mixed with long prompts) or, with
+``--prefix-groups``, a shared-prefix workload (many users per group prefix),
+EOS ignored. Prints
 JSON in the conventions of vLLM's serving benchmark (ms; mean/median/p99 of
 TTFT, TPOT, ITL and end-to-end latency). With ``--worker-metrics URL``
 (repeatable), KV transfer bytes and seconds per request are read from the
-workers' Prometheus endpoints before and after the run.
+workers' Prometheus endpoints before and after the run, and for the
+shared-prefix workload the fleet's prefix-cache hit rate against the ideal
+(every group's prefix computed once).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from shared.bench.workload import BenchRequest, make_workload
+from shared.bench.workload import BenchRequest, ideal_prefix_hit_blocks, make_prefix_workload, make_workload
 
 
 @dataclass
@@ -77,9 +81,9 @@ async def one_request(
 
 
 def _scrape(urls: list[str]) -> dict[str, float]:
-    totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0}
+    totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0, "prefix_hits": 0.0}
     names = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_total": "seconds",
-             "cleave_kv_transfers_total": "transfers"}  # fmt: skip
+             "cleave_kv_transfers_total": "transfers", "cleave_prefix_cache_hits_total": "prefix_hits"}  # fmt: skip
     for url in urls:
         with urllib.request.urlopen(url, timeout=5) as resp:
             for line in resp.read().decode().splitlines():
@@ -161,19 +165,39 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker-metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
     parser.add_argument("--label", default="", help="free text copied into the JSON")
+    parser.add_argument("--prefix-groups", type=int, default=0,
+                        help="shared-prefix workload: this many groups, each request one group's prefix plus its "
+                        "own suffix of --prompt-len tokens (0: independent prompts)")  # fmt: skip
+    parser.add_argument("--prefix-len", type=int, default=1024, help="tokens in each group's shared prefix")
+    parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for hit rates)")
     parser.add_argument("--no-ignore-eos", action="store_true",
                         help="do not send vLLM's ignore_eos field (for servers that refuse it)")  # fmt: skip
     parser.add_argument("--tokenizer", default=None,
                         help="send prompts as text decoded with this model directory's tokenizer (for servers that "
                         "take no token-id prompts); default: token ids")  # fmt: skip
     args = parser.parse_args(argv)
-    workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), args.vocab_size,
-                             args.seed, frozenset(args.avoid_token), args.long_prompt_fraction,
-                             tuple(args.long_prompt_len))  # fmt: skip
+    ideal_hits = 0
+    if args.prefix_groups > 0:
+        workload, groups = make_prefix_workload(args.num_prompts, args.prefix_groups, args.prefix_len,
+                                                tuple(args.prompt_len), tuple(args.output_len), args.vocab_size,
+                                                args.seed, frozenset(args.avoid_token))  # fmt: skip
+        ideal_hits = ideal_prefix_hit_blocks(workload, groups, args.prefix_len, args.block_size)
+    else:
+        workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), args.vocab_size,
+                                 args.seed, frozenset(args.avoid_token), args.long_prompt_fraction,
+                                 tuple(args.long_prompt_len))  # fmt: skip
     before = _scrape(args.worker_metrics)
     report = asyncio.run(run(args, workload))
     if args.worker_metrics:
+        time.sleep(1.5)  # workers export their counters about once a second
         after = _scrape(args.worker_metrics)
+        if args.prefix_groups > 0:
+            # Hit rate over the prompt blocks a prefix cache could ever serve (full blocks before the last token).
+            total_blocks = sum((len(r.prompt_token_ids) - 1) // args.block_size for r in workload)
+            hits = after["prefix_hits"] - before["prefix_hits"]
+            report["prefix_hit_rate"] = hits / max(total_blocks, 1)
+            report["ideal_prefix_hit_rate"] = ideal_hits / max(total_blocks, 1)
+            report["prefix_hit_rate_vs_ideal"] = hits / max(ideal_hits, 1)
         n = max(report["completed"], 1)
         report["kv_transfer_bytes_per_request"] = (after["bytes"] - before["bytes"]) / n
         report["kv_transfer_ms_per_request"] = 1000 * (after["seconds"] - before["seconds"]) / n

@@ -31,3 +31,36 @@ def make_workload(
         n = rng.randint(lo, hi)
         out.append(BenchRequest([rng.choice(allowed) for _ in range(n)], rng.randint(*output_len)))
     return out
+
+
+def make_prefix_workload(
+    num_requests: int,
+    num_groups: int,
+    prefix_len: int,
+    suffix_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int = 1000,
+    seed: int = 0,
+    avoid_ids: frozenset[int] = frozenset(),
+) -> tuple[list[BenchRequest], list[int]]:
+    """Shared-prefix prompts: ``num_groups`` prefixes of ``prefix_len`` tokens, each request one group's
+    prefix plus its own suffix (many users per group, as with a shared system prompt or document).
+
+    Returns the requests and each request's group.
+    """
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in avoid_ids]
+    prefixes = [[rng.choice(allowed) for _ in range(prefix_len)] for _ in range(num_groups)]
+    requests, groups = [], []
+    for _ in range(num_requests):
+        group = rng.randrange(num_groups)
+        suffix = [rng.choice(allowed) for _ in range(rng.randint(*suffix_len))]
+        requests.append(BenchRequest(prefixes[group] + suffix, rng.randint(*output_len)))
+        groups.append(group)
+    return requests, groups
+
+
+def ideal_prefix_hit_blocks(requests: list[BenchRequest], groups: list[int], prefix_len: int, block_size: int) -> int:
+    """Prefix-cache hits (in blocks) if every group's prefix were computed exactly once."""
+    prefix_blocks = prefix_len // block_size
+    return prefix_blocks * (len(requests) - len(set(groups)))

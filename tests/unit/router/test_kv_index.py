@@ -56,3 +56,25 @@ def test_pick_by_cost_cheapest_first_among_ties_and_temperature_spreads():
     assert 50 < picks.count("x") < 150  # near-equals share the load
     picks = [pick_by_cost(["x", "y"], [0.0, 100.0], 0.05, rng) for _ in range(200)]  # type: ignore[list-item]
     assert picks.count("x") == 200
+
+
+def test_index_micro_benchmark_runs(capsys):
+    import json
+
+    from services.router.kv_index_bench import main
+
+    assert main(["--workers", "20", "--blocks-per-worker", "8", "--groups", "4", "--decisions", "5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["index_entries"] == 20 * 8 and report["total"]["median_us"] > 0
+
+
+def test_shared_prefix_workload_and_its_ideal_hits():
+    from shared.bench.workload import ideal_prefix_hit_blocks, make_prefix_workload
+
+    requests, groups = make_prefix_workload(12, 3, 64, (5, 9), (2, 4), vocab_size=50, seed=1)
+    assert len(requests) == 12 and set(groups) <= {0, 1, 2}
+    for req, group in zip(requests, groups, strict=True):
+        first = next(r for r, g in zip(requests, groups, strict=True) if g == group)
+        assert req.prompt_token_ids[:64] == first.prompt_token_ids[:64]
+        assert 69 <= len(req.prompt_token_ids) <= 73
+    assert ideal_prefix_hit_blocks(requests, groups, 64, 16) == 4 * (12 - len(set(groups)))
