@@ -8,7 +8,8 @@ sequence number and appends it to the worker's stream
 first batch says ``cleared``: a consumer drops what it knew of the worker.
 
 A batch that cannot be published (Redis down) still used its number, so a
-consumer sees the gap and asks ``ListCachedBlocks`` for a snapshot, which
+consumer sees the gap (after a failure the publisher keeps sending, empty
+batches included, until one arrives) and asks ``ListCachedBlocks`` for a snapshot, which
 reflects every batch numbered up to the snapshot's ``event_seq``.
 
 Stream entry fields (strings): ``seq``, ``cleared`` ("1"/"0"), ``block_size``,
@@ -72,14 +73,15 @@ class KVEventPublisher:
         self.last_seq = 0  # the number of the last batch drained (published or lost)
         self.num_lost = 0
 
-    def _drain(self, first: bool) -> EventBatch | None:
-        """Engine thread: the events since the last drain as the next batch (None if nothing happened)."""
+    def _drain(self, first: bool, force: bool = False) -> EventBatch | None:
+        """Engine thread: the events since the last drain as the next batch (None if nothing happened,
+        unless ``force``)."""
         pool = self.engine.core.kv.pool
         if first:
             pool.record_events = True
             pool.drain_events()
         events = pool.drain_events()
-        if not events and not first:
+        if not events and not first and not force:
             return None
         self.last_seq += 1
         stored = [e.block_hash for e in events if e.kind == "stored"]
@@ -96,7 +98,9 @@ class KVEventPublisher:
         backoff = Backoff(f"kv events {self.key}", BATCH_S)
         first = True
         while True:
-            batch = await self.engine.run(lambda: self._drain(first))  # noqa: B023 (read at once)
+            # While batches are being lost, publish even empty ones: the first to arrive shows the gap.
+            force = backoff.down
+            batch = await self.engine.run(lambda: self._drain(first, force))  # noqa: B023 (read at once)
             first = False
             delay = BATCH_S
             if batch is not None:

@@ -6,19 +6,34 @@ successful health poll), an entry that expired or was deleted takes its worker
 out of the pool. Workers given as static flags are never removed. A worker
 whose compatibility hash differs from its pool's (the hash of the first worker
 the pool accepted) is refused, with a log line saying why. When Redis is down
-the pools stay as last seen, and the watcher retries with backoff.
+the pools stay as last seen, and the watcher retries with backoff. After an
+outage or a Redis restart (a new server ``run_id``), workers get a grace period
+to re-register before a missing entry takes them out of their pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from services.common.registry import HEARTBEAT_S, REDIS_ERRORS, Backoff, WorkerEntry, connect, read_registry
+from services.common.registry import (
+    HEARTBEAT_S,
+    MAX_BACKOFF_S,
+    REDIS_ERRORS,
+    TTL_S,
+    Backoff,
+    WorkerEntry,
+    connect,
+    read_registry,
+)
 from services.common.registry import with_timeout as redis_timeout
 from services.router.workers import WorkerClient, WorkerPool, WorkerPools
 
 logger = logging.getLogger("cleave.router.discovery")
+
+# Long enough for every worker's heartbeat, backing off, to reach a Redis that came back.
+REREGISTER_GRACE_S = TTL_S + MAX_BACKOFF_S + 1.0
 
 
 class RegistryWatcher:
@@ -33,15 +48,26 @@ class RegistryWatcher:
         self._refused: set[tuple[str, str]] = set()  # (worker id, hash) already logged
         self.entries: dict[str, WorkerEntry] = {}  # worker id -> last entry read
         self.num_reads = 0
+        self._run_id: str | None = None  # the Redis server's; a new one means it restarted empty
+        self._grace_until = 0.0  # missing entries do not remove workers before this (monotonic)
 
     def pool(self, role: str) -> WorkerPool | None:
         return {"prefill": self.pools.prefill, "decode": self.pools.decode}.get(role)
 
     async def read_once(self) -> None:
         """One read and reconcile; raises a Redis error if Redis cannot be read."""
+        info = await redis_timeout(self.client.info("server"))
         entries = await redis_timeout(read_registry(self.client))
+        run_id = str(info.get("run_id", ""))
+        if self._run_id is not None and run_id != self._run_id:
+            self.start_grace("redis_restarted")
+        self._run_id = run_id
         await self.apply(entries)
         self.num_reads += 1
+
+    def start_grace(self, reason: str) -> None:
+        logger.info("registry_grace reason=%s seconds=%.0f", reason, REREGISTER_GRACE_S)
+        self._grace_until = time.monotonic() + REREGISTER_GRACE_S
 
     async def run(self) -> None:
         backoff = Backoff("router registry watch", self.interval_s)
@@ -51,6 +77,7 @@ class RegistryWatcher:
                 delay = backoff.succeeded()
             except REDIS_ERRORS as e:
                 delay = backoff.failed(e)  # keep routing on the last registry seen
+                self._grace_until = time.monotonic() + REREGISTER_GRACE_S
             except Exception:  # a bug in reconciling must not stop watching
                 logger.exception("registry_apply_failed")
                 delay = self.interval_s
@@ -79,6 +106,10 @@ class RegistryWatcher:
                 continue
             if self._accepts(entry):
                 live[(entry.role, entry.grpc_addr)] = entry
+        in_grace = time.monotonic() < self._grace_until
+        if in_grace:  # keep what was known until every worker had time to register again
+            kept = {(e.role, e.grpc_addr): e for e in self.entries.values() if (e.role, e.grpc_addr) not in live}
+            live = {**kept, **live}
         self.entries = {e.worker_id: e for e in live.values()}
         joined: list[WorkerClient] = []
         for role in ("prefill", "decode"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +30,14 @@ logger = logging.getLogger("cleave.router.kv_events")
 READ_BLOCK_MS = 200
 READ_COUNT = 1000
 SNAPSHOT_TIMEOUT_S = 5.0
+RESYNC_RETRY_S = 1.0
 
 
 @dataclass
 class StreamState:
     last_id: str = "0-0"
     next_seq: int | None = None  # None: unknown until a ``cleared`` batch or a snapshot
+    last_resync: float = 0.0  # monotonic time of the last snapshot attempt
 
 
 class KVEventReader:
@@ -61,6 +64,10 @@ class KVEventReader:
         if not self.streams:
             await asyncio.sleep(READ_BLOCK_MS / 1000)
             return
+        for worker_id, known in self.streams.items():
+            # A worker whose position is unknown may publish nothing for a long time: ask it now.
+            if known.next_seq is None and time.monotonic() - known.last_resync > RESYNC_RETRY_S:
+                await self.resync(worker_id, known)
         positions = {stream_key(wid): state.last_id for wid, state in self.streams.items()}
         reply: Any = await with_timeout(self.client.xread(positions, count=READ_COUNT, block=READ_BLOCK_MS))  # type: ignore[arg-type]
         for key, messages in reply or []:
@@ -86,7 +93,8 @@ class KVEventReader:
         state.next_seq = batch.seq + 1
 
     async def resync(self, worker_id: str, state: StreamState) -> None:
-        """Rebuild a worker's entries from its snapshot; on failure, try again at its next batch."""
+        """Rebuild a worker's entries from its snapshot; on failure, try again later."""
+        state.last_resync = time.monotonic()
         entry = self.watcher.entries.get(worker_id)
         pool = self.watcher.pool(entry.role) if entry else None
         worker = next((w for w in pool.workers if w.address == entry.grpc_addr), None) if pool and entry else None

@@ -157,3 +157,17 @@ def test_follow_up_goes_where_its_prefix_is_cached(kv_cluster):
     complete(eager_base, prefix + suffix[2])
     assert wait_metric_rise(p_holder, "cleave_prefix_cache_hits_total", hits) - hits >= PREFIX_LEN // 16
     assert settled(p_other, "cleave_prompt_tokens_total") == other_prompt
+
+
+@pytest.mark.slow
+def test_redis_outage_then_index_recovers(kv_cluster):
+    procs, base, _, vocab, redis = kv_cluster
+    rng = random.Random(3)
+    redis.stop()
+    for _ in range(3):  # routed on the last registry and index the router saw
+        complete(base, [rng.randrange(3, vocab) for _ in range(200)])
+    redis.start()
+    # Batches published while Redis was down are lost: the router sees the gap and takes snapshots.
+    wait_index_in_sync(base, procs, timeout=60)
+    complete(base, [rng.randrange(3, vocab) for _ in range(200)])
+    wait_index_in_sync(base, procs, timeout=30)
