@@ -115,3 +115,19 @@ def test_unsupported_architecture_and_tokenizer_are_named(llama_dir, tmp_path):
     not_gguf.write_bytes(b"definitely not a gguf file")
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         load_model_config(not_gguf)
+
+
+def test_router_side_reads_gguf_without_torch(llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.integration.cluster import ROOT
+
+    path = write_gguf(llama_dir, tmp_path / "tiny.gguf")
+    code = (
+        "import sys; from shared.tokenizer import Tokenizer; from shared.models.config import load_model_config; "
+        f"t = Tokenizer.from_dir({str(path)!r}); c = load_model_config({str(path)!r}); "
+        "assert t.encode('hi') and c.num_layers == 2; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
