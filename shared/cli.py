@@ -1,7 +1,8 @@
 """The ``cleave`` command.
 
 Every flag can also be set with an environment variable ``CLEAVE_<FLAG>``
-(upper case, dashes as underscores), e.g. ``CLEAVE_KV_CACHE_MEMORY=4GiB``.
+(upper case, dashes as underscores), e.g. ``CLEAVE_KV_CACHE_MEMORY=4GiB``;
+``shared.flags`` is the one layer that reads them, for every command.
 Services are started by module name (``python -m services...``); this module
 never imports them.
 """
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 
+from shared import flags
 from shared.config import EngineConfig
 
 DEFAULT_MODEL_DIR = ".cache/demo-model"
@@ -27,7 +29,8 @@ def parse_bytes(text: str) -> int:
 
 
 def env_default(flag: str, default):
-    return os.environ.get("CLEAVE_" + flag.lstrip("-").replace("-", "_").upper(), default)
+    """The flag's default as written; ``shared.flags`` applies ``CLEAVE_*`` values when parsing."""
+    return default
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +148,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.if_missing and (Path(args.dir) / "config.json").is_file():
+        print(f"demo model already in {args.dir}")
+        return 0
     from shared.models.demo import write_demo_model
 
     path = write_demo_model(args.dir, seed=args.seed)
@@ -172,6 +180,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p = sub.add_parser("demo-model", help="write the small random-weight demo checkpoint")
     p.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--if-missing", action="store_true", help="do nothing when DIR already holds a checkpoint")
     p.set_defaults(func=cmd_demo_model)
 
     passthrough = {
@@ -191,10 +200,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, passthrough
 
 
+def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [
+        sub
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for sub in action.choices.values()
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, _ = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    for sub in _subcommand_parsers(parser):
+        flags.apply_env(sub)
+    args, rest = flags.parse_known_args(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if getattr(args, "module", None):
         index = argv.index(args.command)

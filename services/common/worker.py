@@ -13,6 +13,7 @@ import uuid
 import grpc
 from prometheus_client import Counter, Gauge, start_http_server
 
+from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.sampling_params import InvalidRequestError
@@ -184,7 +185,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
 
 
 def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[str] | None = None) -> int:
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     worker = worker_cls(args)
