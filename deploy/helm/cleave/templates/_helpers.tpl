@@ -105,6 +105,9 @@ read by the same configuration layer as the command-line flags.
   value: {{ ternary "0" "1" $e.prefixCaching | quote }}
 - name: CLEAVE_KV_TRANSFER_BACKEND
   value: {{ .pool.kvTransferBackend | quote }}
+# Drain within the grace period, leaving time for preStop and the exit itself.
+- name: CLEAVE_DRAIN_TIMEOUT
+  value: {{ max 1 (sub (int .pool.terminationGracePeriodSeconds) 15) | quote }}
 {{- if eq .role "prefill" }}
 - name: CLEAVE_ADVERTISE_ADDR
   value: $(POD_IP):50051
