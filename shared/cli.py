@@ -188,6 +188,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "router": ("services.router", "start the OpenAI-compatible router"),
         "prefill-worker": ("services.prefill_worker", "start a prefill worker (gRPC)"),
         "decode-worker": ("services.decode_worker", "start a decode worker (gRPC)"),
+        "planner": ("services.planner", "scale the prefill and decode Deployments to latency targets (Kubernetes)"),
     }
     for name, (module, help_text) in passthrough.items():
         p = sub.add_parser(name, help=help_text + f" (see `cleave {name} --help`)", add_help=False)

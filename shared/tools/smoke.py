@@ -41,11 +41,15 @@ def smoke(base_url: str, wait_s: float) -> str:
             time.sleep(2.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m shared.tools.smoke", description=__doc__)
     parser.add_argument("--url", required=True, help="router base URL, e.g. http://cleave-router:8000")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to keep retrying")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     text = smoke(args.url.rstrip("/"), args.wait)
     print(f"smoke ok: {text!r}")
     return 0

@@ -62,3 +62,16 @@ def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
         elif "template" in spec and "spec" in spec["template"]:
             out.append((doc["metadata"]["name"], spec["template"]["spec"]))
     return out
+
+
+@functools.cache
+def compose_config(*profiles: str) -> dict:
+    """``docker-compose config`` of the compose file (every profile by default), parsed."""
+    profiles = profiles or ("tracing",)
+    args = [a for p in profiles for a in ("--profile", p)]
+    result = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE_FILE), *args, "config"],
+        capture_output=True, text=True, cwd=REPO, timeout=60, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
