@@ -2,7 +2,8 @@
 
 Every stream completes with all its tokens, the worker reports unhealthy at once
 (HTTP ``/health`` on its metrics port answers 503), new requests go to the other
-decode worker, and the drained worker exits 0.
+decode worker, and the drained worker exits 0. Then the deployment smoke check
+(``python -m shared.tools.smoke``, the chart's ``helm test``) passes.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +20,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.integration.cluster import start_router, start_worker, wait_worker
+from tests.integration.cluster import ROOT, start_router, start_worker, wait_worker
 
 NUM_STREAMS = 20
 MAX_TOKENS = 160
@@ -61,6 +64,10 @@ def test_sigterm_during_streams_drains_and_exits_zero(model_dir) -> None:
         assert drained and int(re.search(r"in_flight=(\d+)", drained[0]).group(1)) > 0, "SIGTERM came too late"
         assert any("drain_finished clean=True" in line for line in victim.lines)
         assert survivor.popen.poll() is None
+        # The deployment smoke check (the chart's `helm test` pod) passes against what is left.
+        smoke = subprocess.run([sys.executable, "-m", "shared.tools.smoke", "--url", base, "--wait", "30"],
+                               capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+        assert smoke.returncode == 0 and smoke.stdout.startswith("smoke ok"), smoke.stdout + smoke.stderr
     finally:
         for proc in (router, *workers):
             proc.stop()
