@@ -13,7 +13,7 @@ from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import make_wsgi_app
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
 HealthCheck = Callable[[], str | None]  # None when healthy, else the reason
 
@@ -27,9 +27,11 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def start_metrics_server(host: str, port: int, health: HealthCheck) -> WSGIServer:
+def start_metrics_server(
+    host: str, port: int, health: HealthCheck, registry: CollectorRegistry = REGISTRY
+) -> WSGIServer:
     """Serve ``/health`` and ``/metrics`` in a daemon thread; ``server.server_port`` is the bound port."""
-    metrics_app = make_wsgi_app()
+    metrics_app = make_wsgi_app(registry)
 
     def app(environ, start_response):
         if environ.get("PATH_INFO") != "/health":

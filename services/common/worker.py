@@ -206,6 +206,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
         loop.add_signal_handler(sig, on_signal)
     await stop.wait()
     logger.info("worker draining role=%s id=%s", worker.role, worker.worker_id)
+    # Hooks registered with worker.drain.on_drain (leaving the worker registry) run first.
     await worker.drain.drain(args.drain_timeout, busy=lambda: worker.num_leased)
     logger.info("worker stopping role=%s id=%s", worker.role, worker.worker_id)
     for t in tasks:

@@ -166,3 +166,18 @@ def test_checked_in_manifests_are_fresh() -> None:
     result = run_helm(*K8S_RENDER_ARGS)
     assert result.returncode == 0, result.stderr
     assert K8S_MANIFESTS.read_text() == result.stdout, "deploy/k8s is stale: run `make k8s-manifests`"
+
+
+@pytest.mark.parametrize(
+    ("values_set", "words"),
+    [
+        ("default", "port-forward svc/t-cleave-router 8000:8000"),
+        ("external-redis-values", "https://llm.example.org/v1"),
+    ],
+)
+def test_notes_say_how_to_reach_the_endpoint(values_set: str, words: str) -> None:
+    # A client-side dry run renders NOTES.txt without a cluster.
+    result = run_helm("install", "t", str(CHART), "--dry-run=client", *values_args(values_set))
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert words in notes and "helm test t" in notes
