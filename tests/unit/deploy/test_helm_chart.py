@@ -154,6 +154,7 @@ def test_helm_test_pod_runs_the_smoke_check() -> None:
         ("router.service.type=Public", "router.service.type"),
         ("autoscaling.decode.kind=vpa", "kind"),
         ("decode.engine.kvCacheMemory=lots", "kvCacheMemory"),
+        ("planner.enabled=true,autoscaling.decode.enabled=true", "enable one of them"),
     ],
 )
 def test_bad_values_are_refused(override: str, words: str) -> None:
