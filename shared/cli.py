@@ -201,20 +201,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, passthrough
 
 
-def _subcommand_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    return [
-        sub
-        for action in parser._actions
-        if isinstance(action, argparse._SubParsersAction)
-        for sub in action.choices.values()
-    ]
+def _chosen_subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
+    """The parser of the subcommand named in ``argv``: only its flags read the environment."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    name = next((arg for arg in argv if arg in sub.choices), None)
+    return None if name is None else sub.choices[name]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, _ = build_parser()
-    for sub in _subcommand_parsers(parser):
-        flags.apply_env(sub)
+    chosen = _chosen_subparser(parser, argv)
+    if chosen is not None:
+        flags.apply_env(chosen)
     args, rest = flags.parse_known_args(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if getattr(args, "module", None):

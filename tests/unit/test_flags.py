@@ -74,3 +74,15 @@ def test_help_names_every_variable(capsys) -> None:
     out = capsys.readouterr().out
     for name in ("CLEAVE_NO_PREFIX_CACHING", "CLEAVE_KV_CACHE_MEMORY", "CLEAVE_ADVERTISE_ADDR", "CLEAVE_METRICS_PORT"):
         assert name in out
+
+
+def test_cleave_reads_the_environment_for_the_chosen_command_only(tmp_path, monkeypatch, capsys) -> None:
+    from shared.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv("CLEAVE_MAX_MODEL_LEN", "abc")  # an engine flag: `generate` reads it, `demo-model` does not
+    assert main(["demo-model", str(tmp_path), "--if-missing"]) == 0
+    assert "already" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--model", str(tmp_path)])
+    assert exc.value.code == 2 and "CLEAVE_MAX_MODEL_LEN='abc'" in capsys.readouterr().err
