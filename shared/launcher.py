@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shared import flags
 from shared.cli import DEFAULT_MODEL_DIR, env_default
 from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 
@@ -36,7 +37,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
     parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
-    return parser.parse_known_args(argv)
+    return flags.parse_known_args(parser, argv)
 
 
 class Cluster:
