@@ -7,13 +7,17 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from typing import Any
 
 import grpc
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 
+from services.common.draining import Drain
+from services.common.http_endpoints import start_metrics_server
+from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.sampling_params import InvalidRequestError
@@ -42,6 +46,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", default=env_default("--redis-url", None),
                         help="register this worker in Redis for discovery, e.g. redis://127.0.0.1:6379/0 "
                         "(default: none; the router then needs this worker's address as a flag)")  # fmt: skip
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds a SIGTERM waits for in-flight requests before exiting (keep it below "
+                        "the pod's termination grace period)")  # fmt: skip
     return parser
 
 
@@ -117,14 +124,29 @@ class WorkerBase:
         ).labels(role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name).set(1)
         self.num_leased = 0
         self.kv_events: Any = None  # a KVEventPublisher when --redis-url is set
+        self.drain = Drain()
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info(
             "worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name
         )
 
-    async def Health(self, request, context) -> pb.HealthResponse:
+    def unhealthy_reason(self) -> str | None:
+        """None when this worker takes work; otherwise why not (the health endpoints report it)."""
         if self.engine.error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine loop stopped: {self.engine.error}")
+            return f"engine loop stopped: {self.engine.error}"
+        if self.drain.draining:
+            return "draining: the worker is shutting down"
+        return None
+
+    async def admit(self, context) -> None:
+        """Refuse a new call while draining: UNAVAILABLE sends the router to another worker."""
+        if self.drain.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        reason = self.unhealthy_reason()
+        if reason is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         return pb.HealthResponse(status="ok", role=self.role, model=self.args.model, worker_id=self.worker_id,
                                  max_model_len=self.engine.core.max_model_len)  # fmt: skip
 
@@ -188,10 +210,12 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
     if port == 0:
         raise SystemExit(f"cannot bind gRPC port {args.host}:{args.port}")
     await server.start()
-    worker.address = getattr(args, "advertise_addr", None) or f"{args.host}:{port}"
+    # A wildcard bind is not an address peers can dial: advertise the host name instead.
+    reachable_host = socket.gethostname() if args.host in ("", "0.0.0.0", "::") else args.host
+    worker.address = getattr(args, "advertise_addr", None) or f"{reachable_host}:{port}"
     metrics_port = -1
     if args.metrics_port >= 0:
-        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host)
+        metrics_server = start_metrics_server(args.host, args.metrics_port, worker.unhealthy_reason)
         metrics_port = metrics_server.server_port
     tasks = [asyncio.create_task(worker.metrics_loop())] + worker.background_tasks()
     registrar = None
@@ -200,7 +224,15 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
 
         metrics_addr = f"{args.host}:{metrics_port}" if metrics_port >= 0 else ""
         registrar = WorkerRegistrar(args.redis_url, lambda: worker.registry_entry(metrics_addr))
-        tasks.append(asyncio.create_task(registrar.run()))
+        heartbeat = asyncio.create_task(registrar.run())
+        tasks.append(heartbeat)
+
+        async def leave_registry() -> None:  # at once when draining starts: no new work is routed here
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await registrar.deregister()  # type: ignore[union-attr]
+
+        worker.drain.on_drain(leave_registry)
         if worker.engine.core.config.enable_prefix_caching:
             from services.common.kv_events import KVEventPublisher
 
@@ -211,14 +243,21 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
           f"worker_id={worker.worker_id} kv_backend={worker.connector.backend_name}", flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            worker.drain.force()  # a second signal: stop waiting for in-flight requests
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
+    logger.info("worker draining role=%s id=%s", worker.role, worker.worker_id)
+    # Hooks registered with worker.drain.on_drain (leaving the worker registry) run first.
+    await worker.drain.drain(args.drain_timeout, busy=lambda: worker.num_leased)
     logger.info("worker stopping role=%s id=%s", worker.role, worker.worker_id)
     for t in tasks:
         t.cancel()
-    if registrar is not None:
-        await registrar.deregister()  # before draining: the router stops sending new work at once
     if worker.kv_events is not None:
         await worker.kv_events.close()
     await server.stop(grace=2)
@@ -227,7 +266,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
 
 
 def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[str] | None = None) -> int:
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     worker = worker_cls(args)

@@ -77,6 +77,12 @@ class DecodeWorker(WorkerBase):
         return self._peers[addr]
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        await self.admit(context)
+        with self.drain.track():
+            async for msg in self._generate(request, context):
+                yield msg
+
+    async def _generate(self, request: pb.GenerateRequest, context):
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)

@@ -43,6 +43,11 @@ class PrefillWorker(WorkerBase):
         return [asyncio.create_task(self._expire_leases())]
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        await self.admit(context)
+        with self.drain.track():
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)

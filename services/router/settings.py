@@ -1,8 +1,9 @@
 """Router settings: one frozen dataclass, filled from flags or ``CLEAVE_*`` env vars.
 
 Every flag ``--some-flag`` can also be set with ``CLEAVE_SOME_FLAG``; a flag on
-the command line wins over the environment. Repeatable flags (worker addresses)
-take a comma-separated list in the environment, e.g.
+the command line wins over the environment (``shared.flags``, the layer every
+command shares). Repeatable flags (worker addresses) take a comma-separated
+list in the environment, e.g.
 ``CLEAVE_DECODE_WORKER=10.0.0.5:50061,10.0.0.6:50061``.
 """
 
@@ -12,6 +13,8 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from shared import flags
 
 ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -47,16 +50,8 @@ class RouterSettings:
         return self.served_model_name or self.model
 
 
-def _env_name(flag: str) -> str:
-    return "CLEAVE_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _split_addrs(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    """Parser whose defaults come from ``env``; ``--help`` lists the env var of every flag."""
+    """The router's flags; ``shared.flags.parse_args`` fills their defaults from ``env``."""
     parser = argparse.ArgumentParser(
         prog="python -m services.router",
         description=(
@@ -68,14 +63,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
 
     def add(flag: str, help_text: str, **kwargs) -> None:
-        name = _env_name(flag)
-        # Repeatable flags resolve their env value after parsing, so that flags replace it.
-        if name in env and kwargs.get("action") != "append":
-            kwargs["default"] = kwargs.get("type", str)(env[name])
-            kwargs["required"] = False
-        parser.add_argument(flag, help=f"{help_text} [{name}]", **kwargs)
+        parser.add_argument(flag, help=help_text, **kwargs)
 
-    add("--model", "model directory (Hugging Face layout: config.json, tokenizer.json)", required=True)
+    add("--model", "model directory (Hugging Face layout: config.json, tokenizer.json) or a .gguf file", required=True)
     add("--host", "address to bind", default="127.0.0.1")
     add("--port", "port to bind", type=int, default=8000)
     add(
@@ -156,7 +146,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     """Flags first, then ``CLEAVE_*`` env vars, then defaults."""
     env = os.environ if env is None else env
     parser = build_parser(env)
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv, env)
     if args.port < 0 or args.port > 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -178,8 +168,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if args.kv_index_max_entries < 1:
         parser.error(f"--kv-index-max-entries must be >= 1, got {args.kv_index_max_entries}")
-    prefill_workers = args.prefill_worker or _split_addrs(env.get(_env_name("--prefill-worker"), ""))
-    decode_workers = args.decode_worker or _split_addrs(env.get(_env_name("--decode-worker"), ""))
+    prefill_workers = args.prefill_worker or []
+    decode_workers = args.decode_worker or []
     return RouterSettings(
         model=args.model,
         host=args.host,
