@@ -33,7 +33,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--prefill-workers", type=int, default=int(env_default("--prefill-workers", 1)),
                         help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
-    parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="no /metrics on the workers (by default each serves one on a free port, printed)")  # fmt: skip
     return parser.parse_known_args(argv)
 
 
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
-        if args.metrics:
-            common += ["--metrics-port", "0"]
+        if args.no_metrics:
+            common += ["--no-metrics"]
         pending = [
             cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
         ]
@@ -141,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             info = cluster.wait_ready_line(proc)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
             router_args += [flag, info["grpc"]]
+            metrics = "off" if info["metrics_port"] == "-1" else f"http://{args.host}:{info['metrics_port']}/metrics"
             print(f"{proc.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "  # type: ignore[attr-defined]
-                  f"metrics_port={info['metrics_port']}", flush=True)  # fmt: skip
+                  f"metrics={metrics}", flush=True)  # fmt: skip
         router = cluster.start("services.router", router_args, "router")
         threading.Thread(target=_drain, args=(router,), daemon=True).start()
         base = f"http://{args.host}:{args.port}"
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{Path(args.model).name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n"
+              f"  router metrics: {base}/metrics\n"
               "Press Ctrl-C to stop.", flush=True)  # fmt: skip
         while all(p.poll() is None for p in cluster.procs):
             time.sleep(0.5)

@@ -9,12 +9,16 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import start_http_server
 
+from services.common.metrics import WorkerMetrics
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine_core import RequestOutputDelta
+from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 
@@ -32,61 +36,15 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--port", type=int, default=int(env_default("--port", 0)), help="gRPC port (0: pick a free one)"
     )
-    parser.add_argument("--metrics-port", type=int, default=int(env_default("--metrics-port", -1)),
-                        help="Prometheus /metrics port (0: pick one, -1: off)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=int, default=int(env_default("--metrics-port", 0)),
+                        help="Prometheus /metrics HTTP port (default 0: pick a free one, announced at start)")  # fmt: skip
+    parser.add_argument("--no-metrics", action="store_true", default=env_default("--no-metrics", "").lower() in ("1", "true"),
+                        help="serve no /metrics endpoint")  # fmt: skip
     parser.add_argument("--worker-id", default=env_default("--worker-id", None))
     parser.add_argument("--kv-transfer-backend", default=env_default("--kv-transfer-backend", "auto"),
                         choices=["auto", "nixl", "tcp"], help="KV block transfer backend")  # fmt: skip
     parser.add_argument("--log-level", default=env_default("--log-level", "INFO"))
     return parser
-
-
-class WorkerMetrics:
-    def __init__(self, role: str, worker_id: str) -> None:
-        labels = {"role": role, "worker_id": worker_id}
-        self.labels = labels
-        names = list(labels)
-
-        def gauge(name, doc):
-            return Gauge(name, doc, names).labels(**labels)
-
-        def counter(name, doc):
-            return Counter(name, doc, names).labels(**labels)
-
-        self.running = gauge("cleave_num_requests_running", "requests in the running batch")
-        self.waiting = gauge("cleave_num_requests_waiting", "requests waiting to be scheduled")
-        self.kv_usage = gauge("cleave_kv_cache_usage_perc", "fraction of KV blocks in use (0-1)")
-        self.free_blocks = gauge("cleave_kv_cache_free_blocks", "free or evictable KV blocks")
-        self.prefix_queries = counter("cleave_prefix_cache_queries", "blocks looked up in the prefix cache")
-        self.prefix_hits = counter("cleave_prefix_cache_hits", "blocks found in the prefix cache")
-        self.preemptions = counter("cleave_num_preemptions", "requests preempted by recompute")
-        self.prompt_tokens = counter("cleave_prompt_tokens", "prompt tokens computed")
-        self.generation_tokens = counter("cleave_generation_tokens", "tokens generated")
-        self.kv_bytes = counter("cleave_kv_transfer_bytes", "KV bytes moved between workers")
-        self.kv_seconds = counter("cleave_kv_transfer_seconds", "seconds spent pulling KV")
-        self.kv_transfers = counter("cleave_kv_transfers", "KV pulls completed")
-        self.kv_failures = counter("cleave_kv_transfer_failures", "KV pulls that failed")
-        self.kv_recomputes = counter("cleave_kv_recomputes", "requests whose prefill was recomputed locally")
-        self.lease_expired = counter("cleave_kv_lease_expired", "KV leases that expired before release")
-        self.leased = gauge("cleave_kv_leased_requests", "requests whose blocks are held for a pull")
-        self._last: dict[str, int] = {}
-
-    def _advance(self, counter, key: str, total: int) -> None:
-        delta = total - self._last.get(key, 0)
-        if delta > 0:
-            counter.inc(delta)
-        self._last[key] = total
-
-    def update(self, stats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.free_blocks.set(stats.num_free_blocks)
-        self._advance(self.prefix_queries, "q", stats.prefix_cache_queries)
-        self._advance(self.prefix_hits, "h", stats.prefix_cache_hits)
-        self._advance(self.preemptions, "p", stats.num_preemptions)
-        self._advance(self.prompt_tokens, "pt", stats.num_prompt_tokens_computed)
-        self._advance(self.generation_tokens, "gt", stats.num_generation_tokens)
 
 
 class WorkerBase:
@@ -107,10 +65,9 @@ class WorkerBase:
         self.connector = create_connector(
             core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host
         )
-        self.metrics = WorkerMetrics(self.role, self.worker_id)
-        Gauge(
-            "cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]
-        ).labels(role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name).set(1)
+        self.metrics = WorkerMetrics(self.role, self.worker_id, block_size=core.config.block_size,
+                                     num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
+        core.on_step = self.metrics.observe_step
         self.num_leased = 0
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info(
@@ -145,11 +102,16 @@ class WorkerBase:
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def stream(self, req: Request, admit=None) -> AsyncIterator[RequestOutputDelta]:
+        """``engine.stream`` with the request's latency metrics observed on the way."""
+        tracker = self.metrics.tracker(req)
+        async for delta in self.engine.stream(req, admit):
+            tracker.on_delta(delta)
+            yield delta
+
     async def metrics_loop(self) -> None:
         while True:
-            stats = self.engine.core.stats()
-            self.metrics.update(stats)
-            self.metrics.leased.set(self.num_leased)
+            self.metrics.update(self.engine.core.stats(), self.num_leased)
             await asyncio.sleep(1.0)
 
 
@@ -162,10 +124,12 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
         raise SystemExit(f"cannot bind gRPC port {args.host}:{args.port}")
     await server.start()
     worker.address = getattr(args, "advertise_addr", None) or f"{args.host}:{port}"
-    metrics_port = -1
-    if args.metrics_port >= 0:
-        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host)
+    metrics_port = -1  # -1 in the ready line: no /metrics
+    if not args.no_metrics:
+        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host, registry=worker.metrics.registry)
         metrics_port = metrics_server.server_port
+        logger.info("metrics role=%s id=%s url=http://%s:%d/metrics", worker.role, worker.worker_id, args.host,
+                    metrics_port)  # fmt: skip
     tasks = [asyncio.create_task(worker.metrics_loop())] + worker.background_tasks()
     # One machine-readable line: launchers and tests wait for it.
     print(f"CLEAVE_READY role={worker.role} grpc={args.host}:{port} metrics_port={metrics_port} "

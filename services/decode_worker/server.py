@@ -73,7 +73,7 @@ class DecodeWorker(WorkerBase):
             admit, transfer = await self._remote_prefill(req, request, context)
         first = True
         try:
-            async for delta in self.engine.stream(req, admit):
+            async for delta in self.stream(req, admit):
                 msg = pb.GenerateResponse(
                     tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
                     num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
@@ -138,9 +138,7 @@ class DecodeWorker(WorkerBase):
             asyncio.create_task(self._release(handle))
             return None, {"kv_recomputed": True}
         asyncio.create_task(self._release(handle))
-        self.metrics.kv_bytes.inc(stats.num_bytes)
-        self.metrics.kv_seconds.inc(stats.seconds)
-        self.metrics.kv_transfers.inc()
+        self.metrics.observe_kv_pull(stats.num_bytes, stats.seconds, stats.num_descriptors)
         transfer = {"kv_transfer_bytes": stats.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
         return (lambda r: self._join(r, handle.num_tokens)), transfer
 

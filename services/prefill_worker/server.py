@@ -55,7 +55,7 @@ class PrefillWorker(WorkerBase):
             await self.invalid(context, e)
         req.prefill_only = True
         last = None
-        async for delta in self.engine.stream(req):
+        async for delta in self.stream(req):
             last = delta
         assert last is not None and last.finished
         response = pb.PrefillResponse(

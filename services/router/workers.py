@@ -176,6 +176,7 @@ class WorkerPool:
             await self.refresh(min_age_s=MIN_REFRESH_GAP_S)
             candidates = [w for w in self.healthy_workers() if w.address not in exclude]
         if not candidates:
+            self.metrics.routing_decisions.labels(self.role, self.policy, "no_worker").inc()
             if not self.workers:
                 raise NoWorkerAvailable(
                     f"no {self.role} workers are configured; start the router with --{self.role}-worker HOST:PORT"
@@ -187,6 +188,7 @@ class WorkerPool:
         start = self._cursor % len(candidates)
         self._cursor += 1
         rotated = candidates[start:] + candidates[:start]
+        self.metrics.routing_decisions.labels(self.role, self.policy, "picked").inc()
         if self.policy == "round_robin":
             return rotated[0]
         return min(rotated, key=WorkerClient.load_score)
