@@ -1,0 +1,149 @@
+"""What an operator sees of a real cluster (router + prefill + decode processes):
+every /metrics endpoint passes Prometheus's own linter, and every query of the
+Grafana dashboard returns data from a real Prometheus scraping the cluster after
+a short workload that includes a failed KV pull."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
+from shared.tools.gen_dashboards import DASHBOARD_PATH
+from tests.integration.cluster import scrape, start_router, start_worker, wait_worker
+from tests.integration.prometheus import Prometheus
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["the weather today", "once upon a time there was a garden", "hello", "a long story about the sea"]
+LEASE_S = 3
+# Grafana substitutes these; "All" of a multi-value variable is its allValue.
+VARIABLES = {"$__rate_interval": "1m", "$pool": ".*", "$instance": ".*"}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    extra = ["--kv-transfer-backend", "tcp"]
+    prefill = start_worker("prefill", model_dir, *extra, "--kv-lease-seconds", str(LEASE_S))
+    decode = start_worker("decode", model_dir, *extra)
+    procs = [prefill, decode]
+    try:
+        for p in procs:
+            wait_worker(p)
+        router, base = start_router(model_dir, [prefill], [decode])
+        procs.append(router)
+        ports = {"router": base.rsplit(":", 1)[1], "prefill": prefill.info["metrics_port"],
+                 "decode": decode.info["metrics_port"]}  # fmt: skip
+        prom = Prometheus(tmp_path_factory.mktemp("prometheus"),
+                          {f"cleave-{name}": [f"127.0.0.1:{port}"] for name, port in ports.items()})  # fmt: skip
+        try:
+            prom.wait_ready()
+            prom.wait_scraping(len(ports))
+            yield {"prefill": prefill, "decode": decode, "base": base, "ports": ports, "prometheus": prom}
+        finally:
+            prom.stop()
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def sampling() -> pb.SamplingParams:
+    return pb.SamplingParams(n=1, temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=4, ignore_eos=True)
+
+
+def failed_kv_pull(cluster) -> None:
+    """Prefill directly, let the lease expire, then ask the decode worker to pull: it recomputes."""
+    prompt = list(range(40, 90))
+    with grpc.insecure_channel(cluster["prefill"].info["grpc"]) as ch:
+        first = pb_grpc.PrefillWorkerStub(ch).Prefill(
+            pb.PrefillRequest(request_id="expired-1", prompt_token_ids=prompt, sampling=sampling()), timeout=60
+        )
+    port = cluster["ports"]["prefill"]
+    deadline = time.monotonic() + 60
+    while scrape(port, "cleave_kv_lease_expired_total") < 1:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.2)
+    with grpc.insecure_channel(cluster["decode"].info["grpc"]) as ch:
+        request = pb.GenerateRequest(request_id="expired-1", prompt_token_ids=prompt, sampling=sampling(),
+                                     first_token=first.first_token, kv_handle=first.kv_handle)  # fmt: skip
+        messages = list(pb_grpc.DecodeWorkerStub(ch).Generate(request, timeout=60))
+    assert messages[0].kv_recomputed
+
+
+@pytest.fixture(scope="module")
+def workload(cluster):
+    client = openai.OpenAI(base_url=cluster["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    for i, prompt in enumerate(PROMPTS):
+        stream = client.completions.create(model=name, prompt=prompt, max_tokens=6, stream=bool(i % 2))
+        if i % 2:
+            assert list(stream)
+    client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=name, prompt="x", max_tokens=-1)
+    failed_kv_pull(cluster)
+    return cluster
+
+
+@pytest.mark.parametrize("process", ["router", "prefill", "decode"])
+def test_promtool_finds_nothing_to_lint(workload, process):
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed; `make test` installs it (Debian package prometheus)"
+    with urllib.request.urlopen(f"http://127.0.0.1:{workload['ports'][process]}/metrics", timeout=10) as resp:
+        body = resp.read()
+    assert b"cleave_" in body
+    result = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout and not result.stderr, (result.stdout + result.stderr).decode()
+
+
+def test_each_process_serves_only_its_own_metrics(workload):
+    def names(port) -> set[str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            return {line.split()[2] for line in resp.read().decode().splitlines() if line.startswith("# TYPE")}
+
+    ports = workload["ports"]
+    router, prefill, decode = names(ports["router"]), names(ports["prefill"]), names(ports["decode"])
+    assert all(n.startswith("cleave_router_") for n in router)
+    assert not any(n.startswith("cleave_router_") or n.startswith("python_") for n in prefill | decode)
+    assert scrape(ports["decode"], "cleave_kv_transfer_bytes_total") > 0
+    assert scrape(ports["prefill"], "cleave_kv_transfer_bytes_total") == 0  # pulls count where they land
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD_PATH.read_text())
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for name, value in VARIABLES.items():
+                expr = expr.replace(name, value)
+            queries.append((f"{panel['title']} / {target['refId']}", expr))
+    return queries
+
+
+def test_every_dashboard_query_returns_data(workload):
+    prom = workload["prometheus"]
+    deadline = time.monotonic() + 90
+    # Prometheus has the workload once it has scraped the recompute at least twice (rates need two samples).
+    while not prom.query("increase(cleave_kv_recomputes_total[1m]) > 0"):
+        seen = prom.query("cleave_kv_recomputes_total")
+        assert time.monotonic() < deadline, f"Prometheus never saw the failed KV pull: {seen} {prom.targets()}"
+        time.sleep(0.5)
+    queries = dashboard_queries()
+    assert len(queries) > 30
+    empty = queries
+    while empty:
+        empty = [(title, expr) for title, expr in empty if not prom.query(expr)]
+        if empty and time.monotonic() > deadline:
+            pytest.fail("dashboard queries with no data:\n" + "\n".join(f"{t}: {e}" for t, e in empty))
+        time.sleep(0.5)
+    failures = prom.query(dict(queries)["KV pull failures/s / A"])
+    assert max(float(sample["value"][1]) for sample in failures) > 0
