@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.context import Context
 from prometheus_client import start_http_server
 
 from services.common.metrics import WorkerMetrics
@@ -21,6 +22,7 @@ from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.worker")
 
@@ -40,6 +42,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         help="Prometheus /metrics HTTP port (default 0: pick a free one, announced at start)")  # fmt: skip
     parser.add_argument("--no-metrics", action="store_true", default=env_default("--no-metrics", "").lower() in ("1", "true"),
                         help="serve no /metrics endpoint")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint", None),
+                        help="OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
+                        "(default: off, nothing exported)")  # fmt: skip
     parser.add_argument("--worker-id", default=env_default("--worker-id", None))
     parser.add_argument("--kv-transfer-backend", default=env_default("--kv-transfer-backend", "auto"),
                         choices=["auto", "nixl", "tcp"], help="KV block transfer backend")  # fmt: skip
@@ -68,6 +73,7 @@ class WorkerBase:
         self.metrics = WorkerMetrics(self.role, self.worker_id, block_size=core.config.block_size,
                                      num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
         core.on_step = self.metrics.observe_step
+        self.tracing = Tracing(f"cleave-{self.role}-worker", args.otlp_traces_endpoint)
         self.num_leased = 0
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info(
@@ -109,6 +115,10 @@ class WorkerBase:
             tracker.on_delta(delta)
             yield delta
 
+    def parent_context(self, context) -> Context:
+        """The caller's trace context from the RPC's metadata."""
+        return self.tracing.extract(context.invocation_metadata())
+
     async def metrics_loop(self) -> None:
         while True:
             self.metrics.update(self.engine.core.stats(), self.num_leased)
@@ -145,6 +155,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
     await server.stop(grace=2)
     worker.connector.close()
     worker.engine.shutdown()
+    worker.tracing.shutdown()
 
 
 def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[str] | None = None) -> int:

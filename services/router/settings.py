@@ -31,6 +31,7 @@ class RouterSettings:
     health_interval_s: float = 2.0
     rpc_timeout_s: float = 600.0
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -93,6 +94,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
+    add("--otlp-traces-endpoint", "OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
+        "(default: off, nothing exported)")  # fmt: skip
     return parser
 
 
@@ -122,4 +125,5 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
         log_level=args.log_level,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
