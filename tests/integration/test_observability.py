@@ -1,7 +1,8 @@
 """What an operator sees of a real cluster (router + prefill + decode processes):
-every /metrics endpoint passes Prometheus's own linter, and every query of the
+every /metrics endpoint passes Prometheus's own linter, every query of the
 Grafana dashboard returns data from a real Prometheus scraping the cluster after
-a short workload that includes a failed KV pull."""
+a short workload that includes a failed KV pull, and one request is one
+OpenTelemetry trace across the three processes (a local OTLP receiver)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
 from shared.tools.gen_dashboards import DASHBOARD_PATH
 from tests.integration.cluster import scrape, start_router, start_worker, wait_worker
+from tests.integration.otlp_receiver import OTLPReceiver
 from tests.integration.prometheus import Prometheus
 
 pytestmark = pytest.mark.slow
@@ -31,14 +33,16 @@ VARIABLES = {"$__rate_interval": "1m", "$pool": ".*", "$instance": ".*"}
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
-    extra = ["--kv-transfer-backend", "tcp"]
+    receiver = OTLPReceiver()
+    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
+    extra = ["--kv-transfer-backend", "tcp", *tracing]
     prefill = start_worker("prefill", model_dir, *extra, "--kv-lease-seconds", str(LEASE_S))
     decode = start_worker("decode", model_dir, *extra)
     procs = [prefill, decode]
     try:
         for p in procs:
             wait_worker(p)
-        router, base = start_router(model_dir, [prefill], [decode])
+        router, base = start_router(model_dir, [prefill], [decode], *tracing)
         procs.append(router)
         ports = {"router": base.rsplit(":", 1)[1], "prefill": prefill.info["metrics_port"],
                  "decode": decode.info["metrics_port"]}  # fmt: skip
@@ -47,12 +51,14 @@ def cluster(model_dir, tmp_path_factory):
         try:
             prom.wait_ready()
             prom.wait_scraping(len(ports))
-            yield {"prefill": prefill, "decode": decode, "base": base, "ports": ports, "prometheus": prom}
+            yield {"prefill": prefill, "decode": decode, "base": base, "ports": ports, "prometheus": prom,
+                   "receiver": receiver}  # fmt: skip
         finally:
             prom.stop()
     finally:
         for p in procs:
             p.stop()
+        receiver.stop()
 
 
 def sampling() -> pb.SamplingParams:
@@ -147,3 +153,60 @@ def test_every_dashboard_query_returns_data(workload):
         time.sleep(0.5)
     failures = prom.query(dict(queries)["KV pull failures/s / A"])
     assert max(float(sample["value"][1]) for sample in failures) > 0
+
+
+def wait_spans(receiver, done, timeout: float = 60):
+    """Spans arrive in batches (every few seconds); poll until ``done(spans)`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = receiver.snapshot()
+        if done(spans):
+            return spans
+        if time.monotonic() > deadline:
+            pytest.fail("spans never arrived: " + ", ".join(sorted({f"{s.service}:{s.name}" for s in spans})))
+        time.sleep(0.5)
+
+
+def test_one_trace_spans_router_prefill_kv_transfer_and_decode(workload):
+    def full_trace(spans):
+        by_trace: dict[str, set[tuple[str, str]]] = {}
+        for s in spans:
+            by_trace.setdefault(s.trace_id, set()).add((s.service, s.name))
+        want = {("cleave-router", "route"), ("cleave-prefill-worker", "prefill"),
+                ("cleave-decode-worker", "kv_transfer"), ("cleave-decode-worker", "decode")}  # fmt: skip
+        return [t for t, names in by_trace.items() if want <= names]
+
+    spans = wait_spans(workload["receiver"], full_trace)
+    trace_id = full_trace(spans)[0]
+    trace = [s for s in spans if s.trace_id == trace_id]
+    (root,) = [s for s in trace if s.service == "cleave-router" and s.name.startswith("text_completion ")]
+    assert root.parent_span_id == ""
+    assert root.attributes["gen_ai.operation.name"] == "text_completion"
+    assert root.attributes["gen_ai.request.model"] == root.name.split(" ", 1)[1]
+    assert root.attributes["gen_ai.usage.input_tokens"] > 0 and root.attributes["gen_ai.usage.output_tokens"] == 6
+    assert root.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert root.attributes["gen_ai.server.time_to_first_token"] > 0
+    by_name = {s.name: s for s in trace if s is not root}
+    for name in ("route", "prefill", "decode"):
+        assert by_name[name].parent_span_id == root.span_id, name
+    kv = by_name["kv_transfer"]
+    assert kv.parent_span_id == by_name["decode"].span_id
+    assert kv.attributes["cleave.kv.bytes"] > 0 and kv.attributes["cleave.kv.blocks"] > 0
+    assert kv.attributes["cleave.kv.backend"] == "tcp" and kv.status_code != 2
+    assert by_name["prefill"].attributes["cleave.computed_tokens"] > 0
+    assert by_name["decode"].attributes["gen_ai.usage.output_tokens"] == 5  # the first token came from prefill
+
+
+def test_failed_kv_pull_marks_its_span_as_an_error(workload):
+    def failed(spans):
+        return [s for s in spans if s.name == "kv_transfer" and s.attributes.get("cleave.kv.recomputed")]
+
+    (span,) = failed(wait_spans(workload["receiver"], failed))
+    assert span.status_code == 2  # ERROR
+
+
+def test_error_response_marks_the_request_span(workload):
+    def errors(spans):
+        return [s for s in spans if s.service == "cleave-router" and s.attributes.get("error.type") == "400"]
+
+    assert errors(wait_spans(workload["receiver"], errors))
