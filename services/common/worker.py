@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator
 
@@ -22,6 +21,7 @@ from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.logs import LOG_FORMATS, configure_logging
 from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.worker")
@@ -49,6 +49,8 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--kv-transfer-backend", default=env_default("--kv-transfer-backend", "auto"),
                         choices=["auto", "nixl", "tcp"], help="KV block transfer backend")  # fmt: skip
     parser.add_argument("--log-level", default=env_default("--log-level", "INFO"))
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=LOG_FORMATS,
+                        help="text (default) or json: one JSON object per log line")  # fmt: skip
     return parser
 
 
@@ -160,8 +162,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
 
 def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    configure_logging(args.log_level, args.log_format)
     worker = worker_cls(args)
     asyncio.run(serve(worker, add_servicer))
     return 0

@@ -110,7 +110,9 @@ class RequestRun:
         ttft = self.timer.ttft_s
         log_request(
             request_id=self.prep.request_id,
+            method="POST",
             endpoint=self.endpoint,
+            model=self.state.settings.model_name,
             status=status,
             stream=self.prep.stream,
             n=len(results),
@@ -247,7 +249,8 @@ async def serve_generation(
             run.finish(e.status_code)
         else:
             state.metrics.requests.labels(endpoint, str(e.status_code)).inc()
-            log_request(request_id=request_id, endpoint=endpoint, status=e.status_code, error=repr(e.message))
+            log_request(request_id=request_id, method="POST", endpoint=endpoint, status=e.status_code,
+                        model=state.settings.model_name, error=repr(e.message))  # fmt: skip
             end_request_span(span, e.status_code, 0, 0, [], None)
         return JSONResponse(e.body(), status_code=e.status_code, headers=headers)
     except Exception as e:

@@ -34,7 +34,7 @@ VARIABLES = {"$__rate_interval": "1m", "$pool": ".*", "$instance": ".*"}
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     receiver = OTLPReceiver()
-    tracing = ["--otlp-traces-endpoint", receiver.endpoint]
+    tracing = ["--otlp-traces-endpoint", receiver.endpoint, "--log-format", "json"]
     extra = ["--kv-transfer-backend", "tcp", *tracing]
     prefill = start_worker("prefill", model_dir, *extra, "--kv-lease-seconds", str(LEASE_S))
     decode = start_worker("decode", model_dir, *extra)
@@ -51,7 +51,7 @@ def cluster(model_dir, tmp_path_factory):
         try:
             prom.wait_ready()
             prom.wait_scraping(len(ports))
-            yield {"prefill": prefill, "decode": decode, "base": base, "ports": ports, "prometheus": prom,
+            yield {"prefill": prefill, "decode": decode, "router": router, "base": base, "ports": ports, "prometheus": prom,
                    "receiver": receiver}  # fmt: skip
         finally:
             prom.stop()
@@ -210,3 +210,21 @@ def test_error_response_marks_the_request_span(workload):
         return [s for s in spans if s.service == "cleave-router" and s.attributes.get("error.type") == "400"]
 
     assert errors(wait_spans(workload["receiver"], errors))
+
+
+def json_lines(proc) -> list[dict]:
+    return [json.loads(line) for line in proc.lines if line.startswith("{")]
+
+
+def test_json_logs_one_access_line_per_request(workload):
+    access = [e for e in json_lines(workload["router"]) if e.get("event") == "request"]
+    assert len(access) == len(PROMPTS) + 2  # completions, the chat, the refused request
+    ok = [e for e in access if e["status"] == "200"]
+    assert len(ok) == len(PROMPTS) + 1
+    for entry in ok:
+        assert entry["method"] == "POST" and entry["request_id"].startswith(("cmpl-", "chatcmpl-"))
+        assert entry["model"] and int(entry["prompt_tokens"]) > 0 and int(entry["completion_tokens"]) > 0
+        assert float(entry["latency_ms"]) > 0
+    assert [e["status"] for e in access if e not in ok] == ["400"]
+    failed = [e for e in json_lines(workload["decode"]) if e.get("event") == "kv_pull_failed"]
+    assert [e["request_id"] for e in failed] == ["expired-1"]
