@@ -35,6 +35,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
     parser.add_argument("--no-metrics", action="store_true",
                         help="no /metrics on the workers (by default each serves one on a free port, printed)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint", None),
+                        help="OTLP/gRPC collector URL: router and workers export OpenTelemetry traces (default off)")  # fmt: skip
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=["text", "json"],
+                        help="log lines of every process: text or one JSON object per line")  # fmt: skip
     return parser.parse_known_args(argv)
 
 
@@ -132,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
         if args.no_metrics:
             common += ["--no-metrics"]
+        shared_flags = ["--log-format", args.log_format]
+        if args.otlp_traces_endpoint:
+            shared_flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        common += shared_flags
         pending = [
             cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
         ]
         pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                       "--served-model-name", Path(args.model).name]  # fmt: skip
+                       "--served-model-name", Path(args.model).name, *shared_flags]  # fmt: skip
         for proc in pending:
             info = cluster.wait_ready_line(proc)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
