@@ -8,7 +8,8 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 import grpc
 from opentelemetry.context import Context
@@ -110,12 +111,14 @@ class WorkerBase:
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def stream(self, req: Request, admit=None) -> AsyncIterator[RequestOutputDelta]:
+    async def stream(self, req: Request, admit=None) -> AsyncGenerator[RequestOutputDelta, None]:
         """``engine.stream`` with the request's latency metrics observed on the way."""
         tracker = self.metrics.tracker(req)
-        async for delta in self.engine.stream(req, admit):
-            tracker.on_delta(delta)
-            yield delta
+        # aclosing: leaving early closes the engine stream at once, which aborts the request.
+        async with aclosing(self.engine.stream(req, admit)) as deltas:
+            async for delta in deltas:
+                tracker.on_delta(delta)
+                yield delta
 
     def parent_context(self, context) -> Context:
         """The caller's trace context from the RPC's metadata."""

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
 from opentelemetry import trace
@@ -67,9 +68,10 @@ class DecodeWorker(WorkerBase):
                                   attributes={"cleave.request_id": request.request_id})  # fmt: skip
         num_tokens = 0
         try:
-            async for msg in self._generate(request, context, span):
-                num_tokens += len(msg.tokens)
-                yield msg
+            async with aclosing(self._generate(request, context, span)) as messages:
+                async for msg in messages:
+                    num_tokens += len(msg.tokens)
+                    yield msg
         except BaseException as e:
             if not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
                 mark_error(span, e, f"decode failed: {e}")
@@ -94,16 +96,17 @@ class DecodeWorker(WorkerBase):
                 self._describe_transfer(kv_span, request.kv_handle, transfer)
         first = True
         try:
-            async for delta in self.stream(req, admit):
-                msg = pb.GenerateResponse(
-                    tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
-                    num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-                )  # fmt: skip
-                if first:
-                    first = False
-                    for key, value in transfer.items():
-                        setattr(msg, key, value)
-                yield msg
+            async with aclosing(self.stream(req, admit)) as deltas:
+                async for delta in deltas:
+                    msg = pb.GenerateResponse(
+                        tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
+                        num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+                    )  # fmt: skip
+                    if first:
+                        first = False
+                        for key, value in transfer.items():
+                            setattr(msg, key, value)
+                    yield msg
         finally:
             span.set_attribute("cleave.preemptions", req.num_preemptions)
             if admit is not None:
