@@ -7,8 +7,10 @@ caller's business, so the same core serves the offline API and the workers.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +23,7 @@ from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kernels import get_attention_backend
 from shared.models.loader import load_model
+from shared.structured.constraint import Constraint
 
 logger = logging.getLogger("cleave.engine")
 
@@ -116,6 +119,8 @@ class EngineCore:
             self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        self._grammar: Any = None  # GrammarBackend, made on the first constrained request
+        self._grammar_lock = threading.Lock()
         block_bytes = kv_block_bytes(self.model_config, config.block_size, dtype)
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
@@ -168,7 +173,30 @@ class EngineCore:
             self._new_request(f"{request_id}/{i}", prompt_token_ids, params, parent=request_id, index=i)
             for i in range(1, params.n)
         ]
+        if params.constraint is not None:
+            for r in [request, *request.pending_children]:
+                r.matcher = self.grammar_backend().matcher(params.constraint)
         return request
+
+    # ---- structured output ----------------------------------------------------------------
+
+    def grammar_backend(self) -> Any:
+        """The xgrammar backend of this model's tokenizer (built once; any thread)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from shared.structured.grammar import GrammarBackend
+
+                self._grammar = GrammarBackend.from_model_dir(
+                    self.config.model, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                )
+            return self._grammar
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile (or find cached) ``constraint``; thread-safe, so callers run it off the engine thread.
+
+        Raises InvalidRequestError with the reason when the schema, regex or grammar does not compile.
+        """
+        self.grammar_backend().compile(constraint)
 
     def _new_request(self, request_id, prompt_token_ids, params, parent=None, index=0) -> Request:
         return Request(

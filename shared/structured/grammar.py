@@ -1,0 +1,135 @@
+"""xgrammar backend: compiled grammars cached per constraint, matchers, token bitmasks.
+
+One ``GrammarBackend`` serves one engine (one tokenizer, one vocabulary). Its
+cache maps a ``Constraint`` to a compiled grammar; compilation is thread-safe
+and meant to run off the engine thread (``compile`` from an executor), so that
+a slow schema never stalls a batch. A matcher per request tracks the grammar
+state as tokens are accepted; ``fill_bitmask`` writes the allowed-token masks
+of the constrained rows of one step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+from shared.engine.sampling_params import InvalidRequestError
+from shared.structured.constraint import Constraint, choice_ebnf
+
+logger = logging.getLogger("cleave.structured")
+
+DEFAULT_CACHE_SIZE = 256
+
+
+def tokenizer_info(model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of a fast-tokenizer directory; ``vocab_size`` is the model's (logits) width."""
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    text = path.read_text(encoding="utf-8")
+    backend = BackendTokenizer.from_str(text)
+    vocab = backend.get_vocab(with_added_tokens=True)
+    encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
+    for token, token_id in vocab.items():
+        encoded[token_id] = token
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(text)
+    return xgr.TokenizerInfo(
+        encoded[:vocab_size],
+        xgr.VocabType(metadata["vocab_type"]),
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=bool(metadata["add_prefix_space"]),
+    )
+
+
+class GrammarBackend:
+    """Compiles constraints (LRU-cached) and makes matchers for one tokenizer."""
+
+    def __init__(self, info: xgr.TokenizerInfo, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[Constraint, xgr.CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> GrammarBackend:
+        return cls(tokenizer_info(model_dir, vocab_size, stop_token_ids))
+
+    def cached(self, constraint: Constraint) -> bool:
+        with self._lock:
+            return constraint in self._cache
+
+    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The compiled grammar (from the cache when it is there); InvalidRequestError says what is wrong."""
+        with self._lock:
+            compiled = self._cache.get(constraint)
+            if compiled is not None:
+                self._cache.move_to_end(constraint)
+                return compiled
+        compiled = self._compile_uncached(constraint)
+        with self._lock:
+            self._cache[constraint] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile_uncached(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        kind, spec = constraint.kind, constraint.spec
+        try:
+            if kind == "json":
+                json.loads(spec)  # xgrammar's message for broken JSON is terse
+                # Compact JSON: free whitespace would let a model pad forever.
+                return self._compiler.compile_json_schema(spec, any_whitespace=False)
+            if kind == "json_object":
+                # OpenAI's json_object mode answers with an object, never a bare array or scalar.
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            if kind == "choice":
+                choices = constraint.choices()
+                if not choices or not all(isinstance(c, str) and c for c in choices):
+                    raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+                return self._compiler.compile_grammar(choice_ebnf(choices))
+            return self._compiler.compile_grammar(spec)
+        except InvalidRequestError:
+            raise
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with the parser's reason
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InvalidRequestError(f"the {_KIND_NAMES[kind]} does not compile: {reason}") from None
+
+    def matcher(self, constraint: Constraint) -> xgr.GrammarMatcher:
+        return xgr.GrammarMatcher(self.compile(constraint))
+
+
+_KIND_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "grammar",
+}
+
+
+class BitmaskFiller:
+    """Fills the masks of a step's constrained rows in one call (xgrammar's threads, no Python loop)."""
+
+    def __init__(self, max_threads: int = 2) -> None:
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+
+    def fill(self, matchers: list[xgr.GrammarMatcher], vocab_size: int) -> torch.Tensor:
+        """[len(matchers), ceil(vocab / 32)] int32; bit t of row r set = token t allowed for matcher r."""
+        bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask
