@@ -15,7 +15,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.sampling_params import InvalidRequestError
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 
 logger = logging.getLogger("cleave.worker")
@@ -141,6 +141,15 @@ class WorkerBase:
 
     def background_tasks(self) -> list[asyncio.Task]:
         return []
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in a thread, so a slow schema never stalls the engine loop.
+
+        Raises InvalidRequestError when it does not compile; a no-op without a constraint or once cached.
+        """
+        if params.constraint is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.engine.core.compile_constraint, params.constraint)
 
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -63,6 +63,7 @@ class DecodeWorker(WorkerBase):
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)
+            await self.compile_constraint(params)
             req = await self.engine.run(
                 lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
             )

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
 
+from services.router.structured import StructuredOutputFields
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -117,7 +118,7 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + index)
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, StructuredOutputFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = None
     logprobs: int | None = None
@@ -144,7 +145,7 @@ class ChatMessage(_Request):
         return "\n".join(part.text or "" for part in self.content)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, StructuredOutputFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

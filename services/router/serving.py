@@ -8,6 +8,7 @@ All of it is pure: no I/O, no workers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from services.router.protocol import (
     bad_request,
     choice_params,
 )
+from services.router.structured import ConstraintError, StructuredOutputFields
+from shared.structured.constraint import Constraint
 from shared.tokenizer import Tokenizer
 
 MAX_N = 128
@@ -137,6 +140,16 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def request_constraint(req: SamplingRequest) -> Constraint | None:
+    """The structured-output constraint of ``req`` (None without one); 400 on a bad field."""
+    if not isinstance(req, StructuredOutputFields):
+        return None
+    try:
+        return req.output_constraint()
+    except ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
+
+
 def _specs(
     request_id: str,
     req: SamplingRequest,
@@ -144,13 +157,17 @@ def _specs(
     max_tokens: list[int],
     logprobs: int | None,
     model: ModelInfo,
+    constraint: Constraint | None = None,
 ) -> list[ChoiceSpec]:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
     check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
+    constraint = request_constraint(req) if constraint is None else constraint
     specs = []
     for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = req.to_sampling_params(prompt_max_tokens, logprobs)
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
         for i in range(req.n):
             index = prompt_index * req.n + i
             specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, choice_params(params, i)))

@@ -48,6 +48,18 @@ def tokenizer_info(model_dir: str | Path, vocab_size: int, stop_token_ids: list[
     )
 
 
+# xgrammar spells the characters of a length-bounded JSON string as this class, which
+# lets raw control characters through (invalid JSON); such strings get the class below.
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """EBNF of a JSON schema in compact form (free whitespace would let a model pad forever)."""
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
 class GrammarBackend:
     """Compiles constraints (LRU-cached) and makes matchers for one tokenizer."""
 
@@ -88,11 +100,10 @@ class GrammarBackend:
         try:
             if kind == "json":
                 json.loads(spec)  # xgrammar's message for broken JSON is terse
-                # Compact JSON: free whitespace would let a model pad forever.
-                return self._compiler.compile_json_schema(spec, any_whitespace=False)
+                return self._compiler.compile_grammar(json_schema_ebnf(spec))
             if kind == "json_object":
                 # OpenAI's json_object mode answers with an object, never a bare array or scalar.
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return self._compiler.compile_grammar(json_schema_ebnf('{"type": "object"}'))
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             if kind == "choice":
