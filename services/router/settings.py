@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 ROUTING_POLICIES = ("least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class RouterSettings:
     health_interval_s: float = 2.0
     rpc_timeout_s: float = 600.0
     log_level: str = "info"
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls from the model's text
 
     @property
     def model_name(self) -> str:
@@ -93,6 +95,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
+    add(
+        "--tool-call-parser",
+        "how tool_choice 'auto' finds tool calls in the model's text: hermes (<tool_call>{json}</tool_call>, "
+        "Qwen) or llama3_json; without it, tools need tool_choice 'required', 'none' or a named function",
+        choices=TOOL_CALL_PARSERS,
+    )
     return parser
 
 
@@ -122,4 +130,5 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
     )

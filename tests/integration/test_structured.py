@@ -56,7 +56,7 @@ def routers(model_dir):
     prefill = wait_worker(start_worker("prefill", model_dir, "--kv-transfer-backend", "tcp"))
     decode = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp"))
     disagg, disagg_base = start_router(model_dir, [prefill], [decode])
-    agg, agg_base = start_router(model_dir, [], [decode])
+    agg, agg_base = start_router(model_dir, [], [decode], "--tool-call-parser", "hermes")
     yield {"disaggregated": disagg_base, "aggregated": agg_base, "model": str(model_dir)}
     for proc in (disagg, agg, prefill, decode):
         proc.stop()
@@ -210,3 +210,104 @@ def test_unconstrained_rows_unchanged_beside_constrained(routers):
         assert [f.result() for f in mixed] == alone
         for f in side:
             jsonschema.validate(json.loads(f.result()), SCHEMAS["nested"])
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+TOOL_MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.id and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+@pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls(routers, path, tool_choice):
+    c = client(routers[path])
+    resp = c.chat.completions.create(
+        model=routers["model"], messages=TOOL_MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice,  # type: ignore[arg-type, list-item]
+        max_tokens=MAX_TOKENS, n=2, temperature=1.0, seed=5,
+    )  # fmt: skip
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls"
+        check_calls(choice.message.tool_calls)
+        if isinstance(tool_choice, dict):
+            assert [call.function.name for call in choice.message.tool_calls or []] == ["get_time"]
+    stream = c.chat.completions.create(
+        model=routers["model"], messages=TOOL_MESSAGES, tools=[WEATHER, TIME], tool_choice=tool_choice,  # type: ignore[arg-type, list-item]
+        max_tokens=MAX_TOKENS, temperature=1.0, seed=5, stream=True,
+    )  # fmt: skip
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for part in choice.delta.tool_calls or []:
+                entry = calls.setdefault(part.index, {"id": None, "name": None, "arguments": ""})
+                if part.id:
+                    assert entry["name"] is None and part.function and part.function.name  # name first
+                    entry["id"], entry["name"] = part.id, part.function.name
+                else:
+                    assert entry["name"] is not None
+                entry["arguments"] += (part.function.arguments if part.function else None) or ""
+    assert reason == "tool_calls" and calls
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), SCHEMA_OF[entry["name"]])
+
+
+def test_tool_history_and_auto(routers):
+    """Assistant tool_calls and tool results in the history are accepted; auto answers with text or calls."""
+    c = client(routers["aggregated"])
+    history = [
+        *TOOL_MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    resp = c.chat.completions.create(model=routers["model"], messages=history, tools=[WEATHER], max_tokens=8)  # type: ignore[arg-type, list-item]
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    if choice.finish_reason == "tool_calls":
+        check_calls(choice.message.tool_calls)
+    else:
+        assert choice.message.content is not None
+
+
+def test_tool_errors(routers):
+    c = client(routers["disaggregated"])  # started without --tool-call-parser
+    bad = [
+        ({"tools": [WEATHER]}, "tool_choice"),  # auto needs a parser
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ]
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model=routers["model"], messages=TOOL_MESSAGES, max_tokens=4, extra_body=extra)
+        assert err.value.body["param"] == param, err.value.message  # type: ignore[index]
