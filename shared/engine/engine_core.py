@@ -163,6 +163,9 @@ class EngineCore:
                 f"{self.max_model_len} tokens (including at least one generated token); shorten the prompt"
             )
         params.validate()
+        if params.constraint is not None and params.min_tokens > 0:
+            # A complete grammar allows only EOS, which min_tokens forbids: nothing could be sampled.
+            raise InvalidRequestError("min_tokens cannot be combined with a structured-output constraint")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)

@@ -134,9 +134,12 @@ _KIND_NAMES = {
 
 
 class BitmaskFiller:
-    """Fills the masks of a step's constrained rows in one call (xgrammar's threads, no Python loop)."""
+    """Fills the masks of a step's constrained rows in one call into xgrammar (no Python loop).
 
-    def __init__(self, max_threads: int = 2) -> None:
+    One thread by default: a mask takes microseconds, less than waking a thread pool costs.
+    """
+
+    def __init__(self, max_threads: int = 1) -> None:
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
 
     def fill(self, matchers: list[xgr.GrammarMatcher], vocab_size: int) -> torch.Tensor:
