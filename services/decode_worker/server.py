@@ -67,6 +67,10 @@ class DecodeWorker(WorkerBase):
             req = await self.engine.run(
                 lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
             )
+            if request.generated_token_ids:
+                if request.HasField("kv_handle"):
+                    raise InvalidRequestError("generated_token_ids and kv_handle exclude each other")
+                await self.engine.run(lambda: core.resume(req, list(request.generated_token_ids)))
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}

@@ -181,6 +181,17 @@ class EngineCore:
                 r.matcher = self.grammar_backend().matcher(params.constraint)
         return request
 
+    def resume(self, request: Request, generated_token_ids: list[int]) -> None:
+        """Give a fresh request the tokens it already generated elsewhere (its grammar replays them)."""
+        vocab = self.model_config.vocab_size
+        if len(generated_token_ids) >= request.max_tokens:
+            raise InvalidRequestError(f"{len(generated_token_ids)} generated tokens leave no room under max_tokens")
+        for token_id in generated_token_ids:
+            if not 0 <= token_id < vocab:
+                raise InvalidRequestError(f"generated token id {token_id} is outside the vocabulary [0, {vocab})")
+            if not request.append_output_token(token_id):
+                raise InvalidRequestError(f"generated token id {token_id} breaks the request's output constraint")
+
     # ---- structured output ----------------------------------------------------------------
 
     def grammar_backend(self) -> Any:

@@ -159,9 +159,9 @@ class ModelRunner:
         if self._bitmask_filler is None:
             self._bitmask_filler = BitmaskFiller()
         rows = [row for row, m in enumerate(matchers) if m is not None]
-        bitmask = self._bitmask_filler.fill([matchers[row] for row in rows], vocab_size)  # [C, W]
+        bitmask = self._bitmask_filler.fill(matchers, rows, vocab_size)  # [B, W], only `rows` filled
         batch.token_bitmask = bitmask.to(self.device, non_blocking=True)
-        batch.constrained_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [C]
+        batch.constrained_rows = rows
 
     def _collect(self, sched: SchedulerOutput, out, batch: SamplingBatch) -> dict[str, list[TokenSample]]:
         token_ids = out.token_ids.tolist()

@@ -92,11 +92,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int) -> bool:
+        """Append a generated token; False if the request's grammar does not allow it."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
         if self.matcher is not None and not self.matcher.is_terminated():
-            self.matcher.accept_token(token_id)
+            return bool(self.matcher.accept_token(token_id))
+        return True
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """Chained hashes of every full block of ``token_ids`` (cached incrementally)."""

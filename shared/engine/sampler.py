@@ -99,9 +99,9 @@ class SamplingBatch:
     min_tokens_rows: Tensor | None  # [N] int64, with min_tokens_token_ids: logits to set to -inf
     min_tokens_token_ids: Tensor | None  # [N] int64
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None if no row asks
-    # Structured output: allowed-token bitmasks of the C constrained rows only.
-    token_bitmask: Tensor | None = None  # [C, ceil(V / 32)] int32, on the logits' device
-    constrained_rows: Tensor | None = None  # [C] int64, which rows of the batch the masks belong to
+    # Structured output: allowed-token bitmasks, filled and applied for the constrained rows only.
+    token_bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32, on the logits' device
+    constrained_rows: list[int] | None = None  # the rows whose bitmask row is filled
 
     @classmethod
     def build(
@@ -223,14 +223,15 @@ def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | No
     return (probs / noise).argmax(dim=-1)
 
 
-def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> Tensor:
-    """-inf on the tokens whose bit is clear, in ``rows`` only; other rows are left untouched."""
-    vocab_size = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [C, W, 32]
-    allowed = bits.flatten(1)[:, :vocab_size].bool()  # [C, V]
-    masked = logits[rows].masked_fill(~allowed, _NEG_INF)  # [C, V]
-    return logits.index_copy(0, rows, masked)
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Tensor:
+    """In place: -inf on the tokens whose bit is clear, in ``rows`` only (xgrammar's CPU/CUDA kernel).
+
+    ``logits`` [B, V] float32, ``bitmask`` [B, ceil(V / 32)] int32; bit t of row r set = token t allowed.
+    """
+    from xgrammar import apply_token_bitmask_inplace
+
+    apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    return logits
 
 
 def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -254,6 +255,7 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.token_bitmask is not None:
             assert batch.constrained_rows is not None
+            # The runner's logits are this step's own tensor: masking them in place is safe.
             logits = apply_token_bitmask(logits, batch.token_bitmask, batch.constrained_rows)  # [B, V]
         logits = apply_min_tokens_and_penalties(logits, batch)  # [B, V]
         token_ids = self._sample(logits, batch)  # [B]

@@ -142,8 +142,11 @@ class BitmaskFiller:
     def __init__(self, max_threads: int = 1) -> None:
         self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
 
-    def fill(self, matchers: list[xgr.GrammarMatcher], vocab_size: int) -> torch.Tensor:
-        """[len(matchers), ceil(vocab / 32)] int32; bit t of row r set = token t allowed for matcher r."""
+    def fill(self, matchers: list, rows: list[int], vocab_size: int) -> torch.Tensor:
+        """[len(matchers), ceil(vocab / 32)] int32 with row r filled from ``matchers[r]`` for r in ``rows``.
+
+        Bit t of a filled row set = token t allowed; rows outside ``rows`` stay all-allowed and unused.
+        """
         bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._batch.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask, indices=rows)
         return bitmask

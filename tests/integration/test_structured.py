@@ -9,11 +9,15 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import grpc
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
+from shared.tokenizer import Tokenizer
 from tests.integration.cluster import start_router, start_worker, wait_worker
 
 SCHEMAS = {
@@ -57,7 +61,7 @@ def routers(model_dir):
     decode = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp"))
     disagg, disagg_base = start_router(model_dir, [prefill], [decode])
     agg, agg_base = start_router(model_dir, [], [decode], "--tool-call-parser", "hermes")
-    yield {"disaggregated": disagg_base, "aggregated": agg_base, "model": str(model_dir)}
+    yield {"disaggregated": disagg_base, "aggregated": agg_base, "model": str(model_dir), "decode": decode.info["grpc"]}
     for proc in (disagg, agg, prefill, decode):
         proc.stop()
 
@@ -311,3 +315,30 @@ def test_tool_errors(routers):
         with pytest.raises(openai.BadRequestError) as err:
             c.chat.completions.create(model=routers["model"], messages=TOOL_MESSAGES, max_tokens=4, extra_body=extra)
         assert err.value.body["param"] == param, err.value.message  # type: ignore[index]
+
+
+def test_decode_worker_resumes_constraint_from_generated_tokens(routers, model_dir):
+    """A request resumed on a decode worker (migration) replays its tokens into the grammar and continues."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    pattern = r"abc-[0-9]{3};"
+    with grpc.insecure_channel(routers["decode"]) as channel:
+        stub = pb_grpc.DecodeWorkerStub(channel)
+
+        def generate(prefix: str) -> list[int]:
+            sampling = pb.SamplingParams(n=1, temperature=1.0, top_p=1.0, repetition_penalty=1.0, max_tokens=30, seed=4,
+                                         constraint=pb.OutputConstraint(kind="regex", spec=pattern))  # fmt: skip
+            request = pb.GenerateRequest(
+                request_id=f"resume-{prefix}", prompt_token_ids=tokenizer.encode("code:"), sampling=sampling,
+                generated_token_ids=tokenizer.encode(prefix, add_special_tokens=False),
+            )  # fmt: skip
+            responses = list(stub.Generate(request, timeout=60))
+            assert responses[-1].finish_reason == "stop"
+            return [t.token_id for r in responses for t in r.tokens]
+
+        prefix_ids = tokenizer.encode("abc-1", add_special_tokens=False)
+        text = tokenizer.decode(prefix_ids + generate("abc-1"))
+        assert re.fullmatch(pattern, text), text
+        with pytest.raises(grpc.RpcError) as err:
+            generate("xyz")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "breaks the request's output constraint" in (err.value.details() or "")

@@ -33,17 +33,29 @@ def llm(checkpoint_factory) -> LLM:
                max_num_batched_tokens=48, max_num_seqs=8)  # fmt: skip
 
 
+def reference_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Plain torch: unpack the bits of each constrained row and set forbidden logits to -inf."""
+    out = logits.clone()
+    for row in rows:
+        bits = (bitmask[row].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
+        allowed = bits.flatten()[: logits.shape[-1]].bool()  # [V]
+        out[row] = out[row].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def test_bitmask_masks_only_constrained_rows():
-    logits = torch.randn(3, 70)  # [B, V]
-    bitmask = torch.zeros(1, 3, dtype=torch.int32)  # [C, ceil(70 / 32)]
-    allowed = [0, 5, 31, 33, 69]
+    torch.manual_seed(0)
+    logits = torch.randn(4, 70)  # [B, V]
+    bitmask = torch.zeros(4, 3, dtype=torch.int32)  # [B, ceil(70 / 32)]
+    allowed = [0, 5, 31, 33, 69]  # bit 31 of a word is the sign bit of int32
     for t in allowed:
-        bitmask[0, t // 32] |= 1 << (t % 32)
-    # Bit 31 of a word is the sign bit of int32: it must still count as allowed.
-    out = apply_token_bitmask(logits, bitmask, torch.tensor([1]))
+        bitmask[1, t // 32] |= 1 << (t % 32) if t % 32 != 31 else -(1 << 31)
+    bitmask[3] = torch.randint(-(2**31), 2**31 - 1, (3,), dtype=torch.int32)
+    expected = reference_bitmask(logits, bitmask, [1, 3])
+    out = apply_token_bitmask(logits.clone(), bitmask, [1, 3])
+    assert torch.equal(out, expected)
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == allowed
-    assert torch.equal(out[1, allowed], logits[1, allowed])
 
 
 def test_constrained_outputs_validate_under_preemption(llm):

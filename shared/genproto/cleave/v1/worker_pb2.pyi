@@ -113,18 +113,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "kv_handle")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token", "kv_handle", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     first_token: TokenOutput
     kv_handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_transfer_bytes", "kv_transfer_seconds", "kv_recomputed")
