@@ -366,6 +366,12 @@ class ChatFormat:
             self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=p.content, tool_calls=p.tool_calls))], None)
             for p in parts
         ]  # fmt: skip
+        if delta.logprobs:
+            # The tokens' logprobs in the order generated, even while the calls are still being read.
+            logprobs = chat_logprobs(delta.logprobs)
+            chunks.append(
+                self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)], None)
+            )
         if delta.finish_reason is not None:
             reason = "tool_calls" if stream.num_calls and delta.finish_reason == "stop" else delta.finish_reason
             chunks.append(
