@@ -48,6 +48,9 @@ class ResponseFormat(_Fields):
 
 
 class StructuredOutputs(_Fields):
+    # Options not implemented here (structural_tag, whitespace_pattern, ...) are refused, not ignored.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
     json_spec: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None

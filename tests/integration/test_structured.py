@@ -172,6 +172,7 @@ def test_regex_choice_and_json_object_on_completions(routers, path):
         ({"guided_choice": []}, "guided_choice", "non-empty"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "at most one"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs json_schema"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural_tag"),
     ],
 )
 def test_bad_constraints_are_400(routers, extra, param, reason):
