@@ -71,3 +71,41 @@ def test_required_output_and_stream_reassembly():
     assert stream.num_calls == 2
     names = [p.tool_calls[0]["function"].get("name") for p in parts if p.tool_calls and "id" in p.tool_calls[0]]
     assert names == ["get_time", "get_weather"]
+
+
+# A Qwen-style template reduced to what the test reads: tools, assistant calls and tool results.
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% endfor %}{% elif m.role == 'tool' %}RESULT {{ m.tool_call_id }}={{ m.content }}{% else %}{{ m.content }}{% endif %}"
+    "\n{% endfor %}<assistant>"
+)
+
+
+def test_tools_and_tool_history_reach_the_template(checkpoint_factory, tmp_path):
+    from services.router.protocol import ChatCompletionRequest
+    from services.router.serving import chat_prompt
+    from shared.tokenizer import Tokenizer
+
+    source = checkpoint_factory("llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tokenizer = Tokenizer.from_dir(tmp_path)
+    req = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        ],
+        tools=TOOLS,
+    )  # fmt: skip
+    text = tokenizer.decode(chat_prompt(req, tokenizer), skip_special_tokens=False)
+    # Block tags eat the newline after them (trim_blocks, as in transformers).
+    expected = (
+        "TOOLS:get_weather;get_time;<user>weather?<assistant>CALL get_weather Oslo<tool>RESULT call_1=rain<assistant>"
+    )
+    assert text == expected
