@@ -69,6 +69,9 @@ class WorkerMetrics:
         self.kv_recomputes = counter("cleave_kv_recomputes", "requests whose prefill was recomputed locally")
         self.lease_expired = counter("cleave_kv_lease_expired", "KV leases that expired before release")
         self.leased = gauge("cleave_kv_leased_requests", "requests whose blocks are held for a pull")
+        self.structured_requests = counter("cleave_structured_output_requests", "requests with an output constraint")
+        self.grammar_compiles = counter("cleave_grammar_compiles", "output constraints compiled (grammar cache misses)")
+        self.grammar_compile_seconds = counter("cleave_grammar_compile_seconds", "seconds spent compiling grammars")
         self._last: dict[str, int] = {}
 
     def _advance(self, counter, key: str, total: int) -> None:
@@ -147,9 +150,14 @@ class WorkerBase:
 
         Raises InvalidRequestError when it does not compile; a no-op without a constraint or once cached.
         """
-        if params.constraint is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self.engine.core.compile_constraint, params.constraint)
+        if params.constraint is None:
+            return
+        self.metrics.structured_requests.inc()
+        loop = asyncio.get_running_loop()
+        seconds = await loop.run_in_executor(None, self.engine.core.compile_constraint, params.constraint)
+        if seconds is not None:
+            self.metrics.grammar_compiles.inc()
+            self.metrics.grammar_compile_seconds.inc(seconds)
 
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

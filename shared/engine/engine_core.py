@@ -205,12 +205,19 @@ class EngineCore:
                 )
             return self._grammar
 
-    def compile_constraint(self, constraint: Constraint) -> None:
+    def compile_constraint(self, constraint: Constraint) -> float | None:
         """Compile (or find cached) ``constraint``; thread-safe, so callers run it off the engine thread.
 
-        Raises InvalidRequestError with the reason when the schema, regex or grammar does not compile.
+        Returns the seconds compiling took, None on a cache hit. Raises InvalidRequestError with the
+        reason when the schema, regex or grammar does not compile.
         """
-        self.grammar_backend().compile(constraint)
+        backend = self.grammar_backend()
+        if backend.cached(constraint):
+            backend.compile(constraint)  # refresh its place in the LRU
+            return None
+        start = time.perf_counter()
+        backend.compile(constraint)
+        return time.perf_counter() - start
 
     def _new_request(self, request_id, prompt_token_ids, params, parent=None, index=0) -> Request:
         return Request(

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
 from shared.tokenizer import Tokenizer
-from tests.integration.cluster import start_router, start_worker, wait_worker
+from tests.integration.cluster import scrape, start_router, start_worker, wait_worker
 
 SCHEMAS = {
     "nested": {
@@ -52,6 +52,7 @@ SCHEMAS = {
     },
 }
 MAX_TOKENS = 120
+pytestmark = pytest.mark.slow  # four processes start for this module
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,8 @@ def routers(model_dir):
     decode = wait_worker(start_worker("decode", model_dir, "--kv-transfer-backend", "tcp"))
     disagg, disagg_base = start_router(model_dir, [prefill], [decode])
     agg, agg_base = start_router(model_dir, [], [decode], "--tool-call-parser", "hermes")
-    yield {"disaggregated": disagg_base, "aggregated": agg_base, "model": str(model_dir), "decode": decode.info["grpc"]}
+    yield {"disaggregated": disagg_base, "aggregated": agg_base, "model": str(model_dir), "decode": decode.info["grpc"],
+           "metrics": {"prefill": prefill.info["metrics_port"], "decode": decode.info["metrics_port"]}}  # fmt: skip
     for proc in (disagg, agg, prefill, decode):
         proc.stop()
 
@@ -343,3 +345,19 @@ def test_decode_worker_resumes_constraint_from_generated_tokens(routers, model_d
             generate("xyz")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "breaks the request's output constraint" in (err.value.details() or "")
+
+
+def test_worker_metrics_count_constraints_and_compiles(routers):
+    """Worker metrics: constrained requests, and compiles only for schemas not yet cached."""
+    c = client(routers["aggregated"])
+    schema = {"type": "object", "properties": {"metric_probe": {"type": "boolean"}}, "required": ["metric_probe"]}
+
+    def counts() -> tuple[float, float]:
+        port = routers["metrics"]["decode"]
+        return scrape(port, "cleave_structured_output_requests_total"), scrape(port, "cleave_grammar_compiles_total")
+
+    before = counts()
+    for _ in range(2):
+        c.completions.create(model=routers["model"], prompt="x", max_tokens=20, extra_body={"guided_json": schema})
+    after = counts()  # counters are updated as requests arrive, not on the 1 s poll
+    assert after[0] - before[0] == 2 and after[1] - before[1] == 1
