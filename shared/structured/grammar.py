@@ -28,11 +28,10 @@ DEFAULT_CACHE_SIZE = 256
 
 
 def tokenizer_info(model_dir: str | Path, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
-    """xgrammar's view of a fast-tokenizer directory; ``vocab_size`` is the model's (logits) width."""
+    """xgrammar's view of a model's tokenizer (directory or GGUF); ``vocab_size`` is the logits' width."""
     from tokenizers import Tokenizer as BackendTokenizer
 
-    path = Path(model_dir) / "tokenizer.json"
-    text = path.read_text(encoding="utf-8")
+    text = _tokenizer_json(model_dir)
     backend = BackendTokenizer.from_str(text)
     vocab = backend.get_vocab(with_added_tokens=True)
     encoded = [""] * max(vocab_size, max(vocab.values()) + 1)
@@ -58,6 +57,16 @@ def json_schema_ebnf(schema: str) -> str:
     """EBNF of a JSON schema in compact form (free whitespace would let a model pad forever)."""
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _tokenizer_json(model: str | Path) -> str:
+    """``tokenizer.json`` of a model directory, or the one a ``.gguf`` file's metadata describes."""
+    if str(model).lower().endswith(".gguf"):
+        from shared.models.gguf_file import open_gguf
+        from shared.models.gguf_tokenizer import tokenizer_parts
+
+        return tokenizer_parts(open_gguf(str(Path(model).resolve())))[0]
+    return (Path(model) / "tokenizer.json").read_text(encoding="utf-8")
 
 
 class GrammarBackend:

@@ -112,3 +112,14 @@ def test_compiled_grammar_is_cached(llm):
     compiled = backend.num_compiled
     llm.engine.compile_constraint(Constraint.json_schema({"properties": {"q": {"type": "boolean"}}, "type": "object"}))
     assert backend.cached(constraint) and backend.num_compiled == compiled
+
+
+def test_gguf_model_is_constrained_too(checkpoint_factory, tmp_path):
+    from tests.helpers.gguf_files import write_gguf
+
+    path = write_gguf(checkpoint_factory("llama"), tmp_path / "tiny.gguf")
+    llm = LLM(model=str(path), dtype="float32", num_blocks=64)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, constraint=Constraint.json_schema(SCHEMA))
+    choice = llm.generate(["a record:"], params)[0].outputs[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.text), SCHEMA)
