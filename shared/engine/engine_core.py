@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +117,8 @@ class EngineCore:
             self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        # Called on the engine thread with each step's number of batched tokens (metrics); None: off.
+        self.on_step: Callable[[int], None] | None = None
         block_bytes = kv_block_bytes(self.model_config, config.block_size, dtype)
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
@@ -202,6 +205,8 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         sched = self.scheduler.schedule()
         samples = self.runner.execute(sched)
+        if self.on_step is not None:
+            self.on_step(sched.num_batched_tokens)
         deltas: list[RequestOutputDelta] = []
         for seq in sched.seqs:
             if seq.start_pos < len(seq.prompt_token_ids):

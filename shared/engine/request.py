@@ -54,6 +54,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
+    scheduled_time: float | None = None  # monotonic time of its first schedule (ends the queue time)
     status: RequestStatus = RequestStatus.WAITING
     # Block hashes of the full blocks of token_ids, extended lazily.
     _block_hashes: list[bytes] = field(default_factory=list)

@@ -9,6 +9,7 @@ plain ``SchedulerOutput``; the model runner reads nothing else.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -74,6 +75,8 @@ class Scheduler:
         """Join a request whose KV is already in its blocks (remote prefill)."""
         self.requests[request.request_id] = request
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.running.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -121,6 +124,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._emit(out, request, num_new, block_ids)
