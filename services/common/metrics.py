@@ -90,6 +90,12 @@ class WorkerMetrics:
         backend_info = Gauge("cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1).",
                              [*LABELS, "backend"], registry=r)  # fmt: skip
         backend_info.labels(**self._values, backend=backend).set(1)
+        # Structured output.
+        self.structured_requests = counter("cleave_structured_output_requests", "Requests with an output constraint.")
+        self.grammar_compiles = counter(
+            "cleave_grammar_compiles", "Output constraints compiled (grammar cache misses)."
+        )
+        self.grammar_compile_seconds = counter("cleave_grammar_compile_seconds", "Seconds spent compiling grammars.")
         self._last: dict[str, int] = {}
 
     def render(self) -> bytes:

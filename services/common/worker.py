@@ -23,7 +23,7 @@ from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
-from shared.engine.sampling_params import InvalidRequestError
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.logs import LOG_FORMATS, configure_logging
 from shared.tracing import Tracing
@@ -128,6 +128,20 @@ class WorkerBase:
 
     def background_tasks(self) -> list[asyncio.Task]:
         return []
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in a thread, so a slow schema never stalls the engine loop.
+
+        Raises InvalidRequestError when it does not compile; a no-op without a constraint or once cached.
+        """
+        if params.constraint is None:
+            return
+        self.metrics.structured_requests.inc()
+        loop = asyncio.get_running_loop()
+        seconds = await loop.run_in_executor(None, self.engine.core.compile_constraint, params.constraint)
+        if seconds is not None:
+            self.metrics.grammar_compiles.inc()
+            self.metrics.grammar_compile_seconds.inc(seconds)
 
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

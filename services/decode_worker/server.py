@@ -86,9 +86,14 @@ class DecodeWorker(WorkerBase):
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)
+            await self.compile_constraint(params)
             req = await self.engine.run(
                 lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
             )
+            if request.generated_token_ids:
+                if request.HasField("kv_handle"):
+                    raise InvalidRequestError("generated_token_ids and kv_handle exclude each other")
+                await self.engine.run(lambda: core.resume(req, list(request.generated_token_ids)))
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}

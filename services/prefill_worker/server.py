@@ -53,6 +53,7 @@ class PrefillWorker(WorkerBase):
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)
+            await self.compile_constraint(params)
             if params.n != 1:
                 raise InvalidRequestError("prefill handles n=1 requests; fan out n>1 before")
             req = await self.engine.run(

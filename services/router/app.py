@@ -75,6 +75,7 @@ class RouterState:
             max_model_len=min(max_model_len, reported) if reported else max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=frozenset(eos),
+            tool_call_parser=self.settings.tool_call_parser,
         )
 
 
@@ -165,8 +166,9 @@ async def _sse_body(
                 break
             run.add(delta)
             delta_chunk = fmt.delta_chunk(delta)
-            if delta_chunk is not None:
-                yield sse(delta_chunk)
+            for piece in delta_chunk if isinstance(delta_chunk, list) else [delta_chunk]:
+                if piece is not None:
+                    yield sse(piece)
         if run.prep.include_usage:
             yield sse(fmt.usage_chunk(usage(run.prep, run.ordered_results())))
         done = True

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 
+from services.common.convert import constraint_to_proto
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
@@ -110,6 +111,7 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
     )
 
 

@@ -19,6 +19,7 @@ from shared.logs import LOG_FORMATS
 
 ROUTING_POLICIES = ("least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class RouterSettings:
     log_level: str = "info"
     otlp_traces_endpoint: str | None = None
     log_format: str = "text"
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls from the model's text
 
     @property
     def model_name(self) -> str:
@@ -89,6 +91,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--log-format", "text, or json for one JSON object per log line", choices=LOG_FORMATS, default="text")
     add("--otlp-traces-endpoint", "OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
         "(default: off, nothing exported)")  # fmt: skip
+    add(
+        "--tool-call-parser",
+        "how tool_choice 'auto' finds tool calls in the model's text: hermes (<tool_call>{json}</tool_call>, "
+        "Qwen) or llama3_json; without it, tools need tool_choice 'required', 'none' or a named function",
+        choices=TOOL_CALL_PARSERS,
+    )
     return parser
 
 
@@ -120,4 +128,5 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         log_level=args.log_level,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         log_format=args.log_format,
+        tool_call_parser=args.tool_call_parser,
     )

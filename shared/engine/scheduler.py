@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.engine.block_pool import KVBlock
 from shared.engine.kv_cache_manager import KVCacheManager
@@ -40,6 +41,7 @@ class ScheduledSeq:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed_offset: int = 0
+    matchers: list[Any] = field(default_factory=list)  # per sample_request_ids: grammar matcher or None
 
 
 @dataclass
@@ -142,7 +144,8 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int, block_ids: list[int]) -> None:
         start = request.num_computed_tokens
         completes = start + num_new == request.num_tokens
-        sample_ids = [request.request_id, *(c.request_id for c in request.pending_children)] if completes else []
+        samplers = [request, *request.pending_children] if completes else []
+        sample_ids = [r.request_id for r in samplers]
         out.seqs.append(
             ScheduledSeq(
                 request_id=request.request_id,
@@ -154,6 +157,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed_offset=request.seed_offset,
+                matchers=[r.matcher for r in samplers],
             )
         )
 
