@@ -14,7 +14,7 @@ PORT ?= 8000
 # Binaries the tests start for real, as `binary:debian-package`; installed with apt-get when missing.
 SYSTEM_DEPS := redis-server:redis-server promtool:prometheus docker-compose:docker-compose npm:npm
 
-.PHONY: system-deps tools k8s-manifests install run test test-gpu bench-gpu lint protos protos-check bench demo-model clean
+.PHONY: system-deps tools k8s-manifests install run test test-gpu bench-gpu lint protos protos-check dashboards bench demo-model clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; install Python 3.11"; exit 1; }
@@ -71,6 +71,10 @@ protos: $(STAMP)
 
 protos-check: $(STAMP)
 	$(PY) -m shared.tools.gen_protos --check
+
+# deploy/grafana/dashboards/*.json from shared/tools/gen_dashboards.py (a unit test checks they are fresh).
+dashboards: $(STAMP)
+	$(PY) -m shared.tools.gen_dashboards
 
 # Cleave and the two transformers baselines, one after the other on the same workload.
 bench: $(STAMP) $(MODEL)/config.json

@@ -218,7 +218,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         p.set_defaults(module=module)
 
     p = sub.add_parser(
-        "bench", help="benchmarks that print JSON (`cleave bench throughput|serve --help`)", add_help=False
+        "bench", help="benchmarks that print JSON (`cleave bench throughput|serve|structured --help`)", add_help=False
     )
     p.set_defaults(module="shared.bench")
     return parser, passthrough

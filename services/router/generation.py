@@ -21,14 +21,17 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
 
-from services.router.kv_routing import KVRouter, PromptBlocks
+from services.common.convert import constraint_to_proto
+from services.router.kv_routing import Chooser, KVRouter, PromptBlocks
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
 from shared.engine.sampling_params import SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, holdback_len
+from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.router.generation")
 
@@ -58,6 +61,9 @@ class CallContext:
     kv_router: KVRouter | None = None  # kv_aware routing (with --redis-url)
     migration_limit: int = 3  # times a stream may move to another decode worker
 
+    tracing: Tracing | None = None
+    trace_parent: Context | None = None  # holds the request's span: parent of the route spans
+
 
 @dataclass
 class Route:
@@ -70,6 +76,20 @@ class Route:
     def prefill_blocks(self, ctx: CallContext, worker: WorkerClient) -> int:
         assert ctx.kv_router is not None
         return len(self.blocks.hashes) - ctx.kv_router.overlap(worker, self.blocks)
+
+
+async def _pick(
+    ctx: CallContext, pool: WorkerPool, tried: set[str] | None, choose: Chooser | None = None
+) -> WorkerClient:
+    """``pool.pick`` inside a ``route`` span when tracing."""
+    if ctx.tracing is None:
+        return await pool.pick(tried, choose)
+    with ctx.tracing.span(
+        "route", ctx.trace_parent, attributes={"cleave.pool": pool.role, "cleave.policy": pool.policy}
+    ) as span:
+        worker = await pool.pick(tried, choose)
+        span.set_attribute("cleave.worker", worker.address)
+        return worker
 
 
 @dataclass
@@ -110,6 +130,7 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
     )
 
 
@@ -135,7 +156,7 @@ async def _prefill(
     )
     while True:
         try:
-            worker = await pool.pick(tried, choose)
+            worker = await _pick(ctx, pool, tried, choose)
         except NoWorkerAvailable as e:
             logger.info("prefill_fallback request_id=%s reason=%r", spec.request_id, str(e))
             return None
@@ -199,7 +220,7 @@ async def _decode(
     broken: APIError | None = None  # why the last stream failed, if one did
     while True:
         try:
-            worker = preferred or await pool.pick(tried, choose)
+            worker = preferred or await _pick(ctx, pool, tried, choose)
         except NoWorkerAvailable as e:
             raise broken or APIError(503, str(e), "service_unavailable") from None
         preferred = None

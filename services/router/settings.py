@@ -15,9 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shared import flags
+from shared.logs import LOG_FORMATS
 
 ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class RouterSettings:
     api_key: str | None = field(default=None, repr=False)
     max_queued_requests: int = 0
     request_timeout_s: float | None = None
+    otlp_traces_endpoint: str | None = None
+    log_format: str = "text"
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls from the model's text
 
     @property
     def model_name(self) -> str:
@@ -135,6 +140,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
+    add("--log-format", "text, or json for one JSON object per log line", choices=LOG_FORMATS, default="text")
+    add("--otlp-traces-endpoint", "OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
+        "(default: off, nothing exported)")  # fmt: skip
+    add(
+        "--tool-call-parser",
+        "how tool_choice 'auto' finds tool calls in the model's text: hermes (<tool_call>{json}</tool_call>, "
+        "Qwen) or llama3_json; without it, tools need tool_choice 'required', 'none' or a named function",
+        choices=TOOL_CALL_PARSERS,
+    )
     add(
         "--redis-url",
         "discover workers in this Redis registry (e.g. redis://127.0.0.1:6379/0), beside any static workers",
@@ -192,4 +206,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         request_timeout_s=args.request_timeout,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        log_format=args.log_format,
+        tool_call_parser=args.tool_call_parser,
     )

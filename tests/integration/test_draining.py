@@ -9,6 +9,7 @@ decode worker, and the drained worker exits 0. Then the deployment smoke check
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -32,6 +33,16 @@ def _health_status(metrics_port: str) -> int:
             return resp.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def _router_sees_healthy(base: str, address: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+    (worker,) = [w for w in body["decode"] if w["address"] == address]
+    return worker["healthy"]
 
 
 async def _stream(
@@ -85,6 +96,11 @@ async def _drive(base: str, model: str, victim) -> None:
     while _health_status(victim.info["metrics_port"]) != 503:
         assert time.monotonic() < deadline, "drained worker still reports healthy"
         await asyncio.sleep(0.05)
+    # The router marks it unhealthy within a health poll (0.5 s here), while its streams still run.
+    deadline = time.monotonic() + 10
+    while _router_sees_healthy(base, victim.info["grpc"]):
+        assert time.monotonic() < deadline, "router still sends to the draining worker"
+        await asyncio.sleep(0.1)
     # New work goes to the other worker: these complete although the victim admits nothing.
     fresh = await asyncio.gather(
         *[client.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=0.0) for _ in range(3)]

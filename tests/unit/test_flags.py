@@ -14,7 +14,8 @@ from shared.cli import engine_config_from_args
 
 
 def _worker_args(env: dict[str, str], argv: list[str] | None = None) -> argparse.Namespace:
-    return flags.parse_args(build_decode_parser(), argv or [], env)
+    # A named model directory: the default one would be converted on first use.
+    return flags.parse_args(build_decode_parser(), argv or [], {"CLEAVE_MODEL": "/models/m", **env})
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,9 @@ def test_external_redis_replaces_the_built_in_one() -> None:
 
 def test_autoscaling_and_monitors_follow_the_capabilities() -> None:
     docs = render("autoscaling-values")
-    assert set(_by_kind(docs, "HorizontalPodAutoscaler")) == {"t-cleave-prefill"}
+    (hpa,) = _by_kind(docs, "HorizontalPodAutoscaler").values()
+    assert hpa["metadata"]["name"] == "t-cleave-prefill"
+    assert [m["type"] for m in hpa["spec"]["metrics"]] == ["Resource", "Pods"]
     scaled = _by_kind(docs, "ScaledObject")["t-cleave-decode"]["spec"]
     assert scaled["triggers"][0]["metadata"]["query"] == 'sum(cleave_num_requests_waiting{role="decode"})'
     assert (scaled["minReplicaCount"], scaled["maxReplicaCount"]) == (2, 10)
