@@ -20,7 +20,18 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    set_token_controls(msg, p)
     return msg
+
+
+def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
+    """Copy ``logit_bias``, ``allowed_token_ids`` and bad words onto the wire message."""
+    for token_id, bias in p.logit_bias.items():
+        msg.logit_bias[token_id] = bias
+    if p.allowed_token_ids is not None:
+        msg.allowed_token_ids.token_ids.extend(p.allowed_token_ids)
+    for word in p.bad_words_token_ids:
+        msg.bad_words.add(token_ids=word)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -33,6 +44,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=list(msg.allowed_token_ids.token_ids) if msg.HasField("allowed_token_ids") else None,
+        bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
     )  # fmt: skip
 
 

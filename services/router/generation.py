@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.convert import set_token_controls
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPools
@@ -42,6 +43,7 @@ class ChoiceSpec:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,13 @@ class ChoiceDelta:
     num_tokens: int
     logprobs: list[TokenInfo] | None = None
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the tokens of this delta
+    num_cached_tokens: int = 0  # prompt tokens the serving worker found in its prefix cache
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     """Wire form of the params; stop strings stay in the router, which owns the text."""
-    return worker_pb2.SamplingParams(
+    msg = worker_pb2.SamplingParams(
         n=1,
         temperature=params.temperature,
         top_p=params.top_p,
@@ -95,6 +99,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
     )
+    set_token_controls(msg, params)
+    return msg
 
 
 def rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
@@ -242,8 +248,10 @@ class ChoiceDecoder:
         params, tokens = self.spec.params, response.tokens
         logprobs: list[TokenInfo] | None = [] if params.logprobs is not None else None
         num_new = 0
+        token_ids: list[int] = []
         for i, token in enumerate(tokens):
             num_new += 1
+            token_ids.append(token.token_id)
             self.num_tokens += 1
             if logprobs is not None:
                 logprobs.append(self._token_info(token))
@@ -273,7 +281,9 @@ class ChoiceDecoder:
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         if self.finish_reason == "stop_string":
             self.finish_reason = "stop"
-        return ChoiceDelta(self.spec.index, delta_text, num_new, logprobs, self.finish_reason)
+        return ChoiceDelta(
+            self.spec.index, delta_text, num_new, logprobs, self.finish_reason, token_ids, response.num_cached_tokens
+        )
 
     def _cut_at_stop(self, searched: int) -> bool:
         if not self.stop:
@@ -287,6 +297,8 @@ class ChoiceDecoder:
 
     def _token_info(self, token: worker_pb2.TokenOutput) -> TokenInfo:
         def as_text(token_id: int) -> str:
+            if self.spec.tokens_as_ids:
+                return f"token_id:{token_id}"
             return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
         top = [(as_text(t.token_id), t.logprob) for t in token.top_logprobs]

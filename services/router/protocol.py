@@ -2,8 +2,9 @@
 
 Requests accept the OpenAI fields the router implements plus vLLM's sampling
 extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``). Unknown fields are
-ignored, as OpenAI clients send fields that have no meaning here.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``). Fields a request
+model does not declare are kept in ``model_extra`` and refused by
+``services.router.fields.check_fields``; nested objects ignore theirs.
 """
 
 from __future__ import annotations
@@ -51,11 +52,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _TopRequest(BaseModel):
+    """A request body: undeclared fields are kept, so that they can be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(_TopRequest):
     """Fields common to ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
@@ -77,12 +85,23 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # ---- token-level controls and token ids (vLLM extras; services.router.token_controls)
+    logit_bias: dict[StrictStr, float] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: StrictInt | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, **token_controls: Any) -> SamplingParams:
         """Validated engine params for one choice (``n`` stays on the request: the router fans out)."""
         try:
             SamplingParams(n=self.n, max_tokens=max_tokens)
@@ -103,6 +122,7 @@ class SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                **token_controls,
             )
         except InvalidRequestError as e:
             # The engine's messages start with the offending field's name.
@@ -155,11 +175,19 @@ class ChatCompletionRequest(SamplingRequest):
 
 # ---------------------------------------------------------------- responses
 
+# Present only when asked for (``return_token_ids``), so the default shape stays OpenAI's.
+TokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=lambda v: v is None)]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Annotated[PromptTokensDetails | None, Field(exclude_if=lambda v: v is None)] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -174,6 +202,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_token_ids: TokenIds = None  # with return_token_ids
+    token_ids: TokenIds = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -211,6 +241,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: TokenIds = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -220,6 +251,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: TokenIds = None  # with return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -236,6 +268,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: TokenIds = None  # with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -245,6 +278,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: TokenIds = None  # with return_token_ids, on the first chunk of a choice
 
 
 class ModelCard(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 
+from services.router.fields import check_fields
 from services.router.generation import ChoiceDelta, ChoiceSpec, TokenInfo
 from services.router.protocol import (
     APIError,
@@ -31,15 +32,18 @@ from services.router.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     SamplingRequest,
     TopLogprob,
     UsageInfo,
     bad_request,
     choice_params,
 )
+from services.router.token_controls import check_vocab, token_controls, truncate_prompt
 from shared.tokenizer import Tokenizer
 
 MAX_N = 128
+MAX_TOP_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
 MIN_LOGPROB = -9999.0
@@ -62,10 +66,25 @@ class Prepared:
     specs: list[ChoiceSpec]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    return_token_ids: bool = False
+    echo_texts: list[str] | None = None  # completions echo: the prompt text of each prompt
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return max(1, len(self.specs) // max(1, len(self.prompts)))
+
+
+def check_common(req: SamplingRequest, model: ModelInfo) -> None:
+    """Checks every generation request gets first: the model, unimplemented fields, stream_options."""
+    check_model(req.model, model)
+    check_fields(req)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
 def check_model(requested: str | None, model: ModelInfo) -> None:
@@ -115,7 +134,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
         if isinstance(item, str):
             prompts.append(tokenizer.encode(item, add_special_tokens=True))
         else:
-            check_token_ids(list(item), vocab_size, "prompt")
+            check_vocab(list(item), vocab_size, "prompt")
             prompts.append(list(item))
     return prompts
 
@@ -144,41 +163,81 @@ def _specs(
     max_tokens: list[int],
     logprobs: int | None,
     model: ModelInfo,
+    tokenizer: Tokenizer,
 ) -> list[ChoiceSpec]:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
     check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
+    controls = token_controls(req, tokenizer, model.vocab_size)
     specs = []
     for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
-        params = req.to_sampling_params(prompt_max_tokens, logprobs)
+        params = req.to_sampling_params(prompt_max_tokens, logprobs, **controls)
         for i in range(req.n):
             index = prompt_index * req.n + i
-            specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, choice_params(params, i)))
+            spec_params = choice_params(params, i)
+            specs.append(
+                ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, spec_params, req.return_tokens_as_token_ids)
+            )
     return specs
 
 
+def _prepared(req: SamplingRequest, request_id: str, prompts: list[list[int]], specs: list[ChoiceSpec]) -> Prepared:
+    return Prepared(
+        request_id,
+        prompts,
+        specs,
+        req.stream,
+        req.include_usage,
+        continuous_usage=req.continuous_usage,
+        return_token_ids=req.return_token_ids,
+    )
+
+
+def _echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer: Tokenizer) -> list[str] | None:
+    if not req.echo:
+        return None
+    if req.logprobs is not None:
+        raise bad_request("echo with logprobs (the prompt's logprobs) is not supported; drop one of them", "echo")
+    strings = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if req.truncate_prompt_tokens is None and all(isinstance(p, str) for p in strings):
+        return [str(p) for p in strings]
+    return [tokenizer.decode(p, skip_special_tokens=req.skip_special_tokens) for p in prompts]
+
+
+def check_top_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {value} (-1, the whole vocabulary, is not served)",
+            param,
+        )
+
+
 def prepare_completion(req: CompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
-    check_model(req.model, model)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
+    check_common(req, model)
+    check_top_logprobs(req.logprobs, "logprobs")
     prompts = completion_prompts(req, tokenizer, model.vocab_size)
+    prompts = [truncate_prompt(p, req.truncate_prompt_tokens, model.max_model_len) for p in prompts]
+    echo_texts = _echo_texts(req, prompts, tokenizer)
     max_tokens = [
         resolve_max_tokens(len(p), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, model.max_model_len) for p in prompts
     ]
-    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model)
-    return Prepared(request_id, prompts, specs, req.stream, req.include_usage)
+    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, tokenizer)
+    prep = _prepared(req, request_id, prompts, specs)
+    prep.echo_texts = echo_texts
+    return prep
 
 
 def prepare_chat(req: ChatCompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
-    check_model(req.model, model)
+    check_common(req, model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt_ids = chat_prompt(req, tokenizer)
+    check_top_logprobs(req.top_logprobs, "top_logprobs")
+    prompt_ids = truncate_prompt(chat_prompt(req, tokenizer), req.truncate_prompt_tokens, model.max_model_len)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model)
-    return Prepared(request_id, [prompt_ids], specs, req.stream, req.include_usage)
+    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, tokenizer)
+    return _prepared(req, request_id, [prompt_ids], specs)
 
 
 @dataclass
@@ -190,9 +249,13 @@ class ChoiceResult:
     logprobs: list[TokenInfo] | None = None
     finish_reason: str | None = None
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text_parts.append(delta.text)
+        self.token_ids += delta.token_ids
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -205,10 +268,16 @@ class ChoiceResult:
 
 def usage(prep: Prepared, results: list[ChoiceResult]) -> UsageInfo:
     completion = sum(r.num_tokens for r in results)
+    # Cached prompt tokens count once per prompt: the best hit among its choices.
+    per_prompt: dict[int, int] = {}
+    for r in results:
+        prompt_index = r.index // prep.choices_per_prompt
+        per_prompt[prompt_index] = max(per_prompt.get(prompt_index, 0), r.num_cached_tokens)
     return UsageInfo(
         prompt_tokens=prep.num_prompt_tokens,
         completion_tokens=completion,
         total_tokens=prep.num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(per_prompt.values())),
     )
 
 
@@ -249,11 +318,44 @@ def sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class _StreamState:
+    """Per-response state of the extras: a choice's first chunk (echo, prompt ids) and the running usage."""
+
+    def __init__(self, prep: Prepared) -> None:
+        self.prep, self.started, self.num_generated = prep, set[int](), 0
+
+    def first(self, delta: ChoiceDelta) -> bool:
+        self.num_generated += delta.num_tokens
+        is_first = delta.index not in self.started
+        self.started.add(delta.index)
+        return is_first
+
+    def echo(self, index: int) -> str:
+        texts = self.prep.echo_texts
+        return texts[index // self.prep.choices_per_prompt] if texts is not None else ""
+
+    def prompt_ids(self, index: int) -> list[int] | None:
+        return self.prep.specs[index].prompt_ids if self.prep.return_token_ids else None
+
+    def token_ids(self, token_ids: list[int]) -> list[int] | None:
+        return list(token_ids) if self.prep.return_token_ids else None
+
+    def running_usage(self) -> UsageInfo | None:
+        """With ``continuous_usage_stats``: the usage so far, on every chunk."""
+        if not (self.prep.include_usage and self.prep.continuous_usage):
+            return None
+        prompt = self.prep.num_prompt_tokens
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=self.num_generated, total_tokens=prompt + self.num_generated
+        )
+
+
 class CompletionFormat:
     """``/v1/completions`` bodies: ``text_completion`` objects."""
 
     def __init__(self, prep: Prepared, model_name: str) -> None:
         self.prep, self.model_name, self.created = prep, model_name, int(time.time())
+        self.state = _StreamState(prep)
 
     def _body(self, choices: list[CompletionChoice], usage_info: UsageInfo | None) -> dict[str, Any]:
         body = CompletionResponse(
@@ -267,15 +369,19 @@ class CompletionFormat:
         return []
 
     def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
-        if not (delta.text or delta.logprobs or delta.finish_reason):
+        first = self.state.first(delta)
+        echo = self.state.echo(delta.index) if first else ""
+        if not (delta.text or delta.logprobs or delta.finish_reason or echo):
             return None
         choice = CompletionChoice(
             index=delta.index,
-            text=delta.text,
+            text=echo + delta.text,
             logprobs=completion_logprobs(delta.logprobs),
             finish_reason=delta.finish_reason,
+            prompt_token_ids=self.state.prompt_ids(delta.index) if first else None,
+            token_ids=self.state.token_ids(delta.token_ids),
         )
-        return self._body([choice], None)
+        return self._body([choice], self.state.running_usage())
 
     def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
         return self._body([], usage_info)
@@ -283,7 +389,12 @@ class CompletionFormat:
     def response(self, results: list[ChoiceResult], usage_info: UsageInfo) -> dict[str, Any]:
         choices = [
             CompletionChoice(
-                index=r.index, text=r.text, logprobs=completion_logprobs(r.logprobs), finish_reason=r.finish_reason
+                index=r.index,
+                text=self.state.echo(r.index) + r.text,
+                logprobs=completion_logprobs(r.logprobs),
+                finish_reason=r.finish_reason,
+                prompt_token_ids=self.state.prompt_ids(r.index),
+                token_ids=self.state.token_ids(r.token_ids),
             )
             for r in results
         ]
@@ -295,23 +406,36 @@ class ChatFormat:
 
     def __init__(self, prep: Prepared, model_name: str) -> None:
         self.prep, self.model_name, self.created = prep, model_name, int(time.time())
+        self.state = _StreamState(prep)
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None) -> dict[str, Any]:
+    def _chunk(
+        self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None, prompt_ids: list[int] | None = None
+    ) -> dict[str, Any]:
         body = ChatCompletionChunk(
-            id=self.prep.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage_info
+            id=self.prep.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage_info,
+            prompt_token_ids=prompt_ids,
         ).model_dump()
         if not self.prep.include_usage:
             body.pop("usage")
         return body
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """The assistant role first, once per choice."""
+        """The assistant role first, once per choice (with ``return_token_ids``, the prompt's ids)."""
         return [
-            self._chunk([ChatStreamChoice(index=spec.index, delta=DeltaMessage(role="assistant", content=""))], None)
+            self._chunk(
+                [ChatStreamChoice(index=spec.index, delta=DeltaMessage(role="assistant", content=""))],
+                None,
+                self.state.prompt_ids(spec.index),
+            )
             for spec in self.prep.specs
         ]
 
     def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        self.state.first(delta)
         if not (delta.text or delta.logprobs or delta.finish_reason):
             return None
         choice = ChatStreamChoice(
@@ -319,8 +443,9 @@ class ChatFormat:
             delta=DeltaMessage(content=delta.text or None),
             logprobs=chat_logprobs(delta.logprobs),
             finish_reason=delta.finish_reason,
+            token_ids=self.state.token_ids(delta.token_ids),
         )
-        return self._chunk([choice], None)
+        return self._chunk([choice], self.state.running_usage())
 
     def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
         return self._chunk([], usage_info)
@@ -332,9 +457,15 @@ class ChatFormat:
                 message=ChatResponseMessage(content=r.text),
                 logprobs=chat_logprobs(r.logprobs),
                 finish_reason=r.finish_reason,
+                token_ids=self.state.token_ids(r.token_ids),
             )
             for r in results
         ]
         return ChatCompletionResponse(
-            id=self.prep.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage_info
+            id=self.prep.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage_info,
+            prompt_token_ids=self.state.prompt_ids(0),
         ).model_dump()

@@ -22,7 +22,12 @@ def test_disaggregated_completion(router, script, tokenizer):
     [choice] = body["choices"]
     assert choice == {"index": 0, "text": tokenizer.decode(script.ids(5)), "logprobs": None, "finish_reason": "length"}
     num_prompt = len(tokenizer.encode("Hello there"))
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 5, "total_tokens": num_prompt + 5}
+    assert body["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 5,
+        "total_tokens": num_prompt + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     [prefill] = script.prefill_requests
     [generate] = script.generate_requests
     assert list(prefill.prompt_token_ids) == tokenizer.encode("Hello there")
