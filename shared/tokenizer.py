@@ -175,6 +175,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (transformers' ``convert_ids_to_tokens``)."""
+        return self._backend.id_to_token(token_id)
+
     # -- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

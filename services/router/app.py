@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router.extra_routes import install_extra_routes
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -57,6 +58,7 @@ class RouterState:
     model_config: ModelConfig
     metrics: RouterMetrics
     pools: WorkerPools | None = None
+    in_flight: int = 0  # generation requests being answered (GET /load)
 
     def model_info(self) -> ModelInfo:
         """Context length: the configured one, lowered to the smallest any healthy worker reports."""
@@ -86,6 +88,7 @@ class RequestRun:
         self.results = {spec.index: ChoiceResult(spec.index) for spec in prep.specs}
         self.finished = False
         state.metrics.running.inc()
+        state.in_flight += 1
 
     def add(self, delta: ChoiceDelta) -> None:
         self.results[delta.index].add(delta)
@@ -99,6 +102,7 @@ class RequestRun:
         self.finished = True
         metrics, results = self.state.metrics, self.ordered_results()
         metrics.running.dec()
+        self.state.in_flight -= 1
         metrics.requests.labels(self.endpoint, str(status)).inc()
         num_generated = sum(r.num_tokens for r in results)
         latency = self.timer.finish(self.prep.num_prompt_tokens, num_generated)
@@ -330,6 +334,7 @@ def create_app(
     app = FastAPI(title="Cleave router", lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app, state.metrics)
+    install_extra_routes(app, state, created)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

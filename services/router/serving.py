@@ -24,6 +24,7 @@ from services.router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -141,19 +142,29 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     """Apply the model's chat template; the rendered text carries its own special tokens."""
-    if not req.messages:
+    return chat_prompt_ids(req.messages, req.add_generation_prompt, tokenizer)
+
+
+def chat_prompt_ids(
+    chat_messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tokenizer: Tokenizer,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of ``chat_messages`` after the chat template."""
+    if not chat_messages:
         raise bad_request("messages must not be empty", "messages")
     messages = []
-    for message in req.messages:
+    for message in chat_messages:
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _specs(
