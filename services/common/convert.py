@@ -32,6 +32,8 @@ def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
         msg.allowed_token_ids.token_ids.extend(p.allowed_token_ids)
     for word in p.bad_words_token_ids:
         msg.bad_words.add(token_ids=word)
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -47,15 +49,19 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias),
         allowed_token_ids=list(msg.allowed_token_ids.token_ids) if msg.HasField("allowed_token_ids") else None,
         bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )  # fmt: skip
 
 
 def token_to_proto(sample: TokenSample) -> pb.TokenOutput:
-    return pb.TokenOutput(
+    msg = pb.TokenOutput(
         token_id=sample.token_id,
         logprob=sample.logprob,
         top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs or []],
     )
+    if sample.rank is not None:
+        msg.rank = sample.rank
+    return msg
 
 
 def token_from_proto(msg: pb.TokenOutput) -> TokenSample:

@@ -69,6 +69,17 @@ class TokenInfo:
 
 
 @dataclass
+class PromptTokenLogprob:
+    """Score of one prompt token (from the worker that computed the prompt), with its top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first
+
+
+@dataclass
 class ChoiceDelta:
     """New output of one choice: text that is safe to show, and what produced it."""
 
@@ -79,6 +90,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)  # the tokens of this delta
     num_cached_tokens: int = 0  # prompt tokens the serving worker found in its prefix cache
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # prompt tokens 1.., on the first delta when asked
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
@@ -99,7 +111,7 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
     )
-    set_token_controls(msg, params)
+    set_token_controls(msg, params)  # and prompt_logprobs
     return msg
 
 
@@ -208,9 +220,11 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
             finish_reason=first.finish_reason,
             num_prompt_tokens=first.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs,
         )
         if finished:
             return
+        request.sampling.ClearField("prompt_logprobs")  # the prefill worker scored the prompt
         request.first_token.CopyFrom(first.first_token)
         request.kv_handle.CopyFrom(first.kv_handle)
         async with aclosing(_decode(ctx, request)) as responses:
@@ -235,6 +249,7 @@ class ChoiceDecoder:
     num_emitted_chars: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
+    prompt_scored: bool = False
 
     def __post_init__(self) -> None:
         params = self.spec.params
@@ -281,9 +296,23 @@ class ChoiceDecoder:
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         if self.finish_reason == "stop_string":
             self.finish_reason = "stop"
-        return ChoiceDelta(
+        delta = ChoiceDelta(
             self.spec.index, delta_text, num_new, logprobs, self.finish_reason, token_ids, response.num_cached_tokens
         )
+        if self.spec.params.prompt_logprobs is not None and not self.prompt_scored:
+            self.prompt_scored = True
+            delta.prompt_logprobs = [self._prompt_info(t) for t in response.prompt_logprobs]
+        return delta
+
+    def _as_text(self, token_id: int) -> str:
+        """A token as logprob entries show it: its text, or ``token_id:N`` with return_tokens_as_token_ids."""
+        if self.spec.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_info(self, token: worker_pb2.TokenOutput) -> PromptTokenLogprob:
+        top = [(t.token_id, self._as_text(t.token_id), t.logprob) for t in token.top_logprobs]
+        return PromptTokenLogprob(token.token_id, self._as_text(token.token_id), token.logprob, token.rank, top)
 
     def _cut_at_stop(self, searched: int) -> bool:
         if not self.stop:
@@ -296,13 +325,8 @@ class ChoiceDecoder:
         return True
 
     def _token_info(self, token: worker_pb2.TokenOutput) -> TokenInfo:
-        def as_text(token_id: int) -> str:
-            if self.spec.tokens_as_ids:
-                return f"token_id:{token_id}"
-            return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-        top = [(as_text(t.token_id), t.logprob) for t in token.top_logprobs]
-        return TokenInfo(as_text(token.token_id), token.logprob, top, len(self.text))
+        top = [(self._as_text(t.token_id), t.logprob) for t in token.top_logprobs]
+        return TokenInfo(self._as_text(token.token_id), token.logprob, top, len(self.text))
 
 
 _DONE = object()

@@ -92,6 +92,7 @@ class SamplingRequest(_TopRequest):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # score the prompt, with this many alternatives per token
 
     @property
     def include_usage(self) -> bool:
@@ -197,6 +198,17 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: a token id (as the key) to this."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -204,6 +216,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     prompt_token_ids: TokenIds = None  # with return_token_ids
     token_ids: TokenIds = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -252,6 +265,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: TokenIds = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -279,6 +293,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: TokenIds = None  # with return_token_ids, on the first chunk of a choice
+    prompt_logprobs: Annotated[PromptLogprobs | None, Field(exclude_if=lambda v: v is None)] = None
 
 
 class ModelCard(BaseModel):

@@ -16,7 +16,8 @@ from typing import Any
 import jinja2
 
 from services.router.fields import check_fields
-from services.router.generation import ChoiceDelta, ChoiceSpec, TokenInfo
+from services.router.generation import ChoiceDelta, ChoiceSpec, PromptTokenLogprob, TokenInfo
+from services.router.prompt_scores import echo_logprobs, join, prompt_logprobs_body
 from services.router.protocol import (
     APIError,
     ChatChoice,
@@ -70,6 +71,9 @@ class Prepared:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     return_token_ids: bool = False
     echo_texts: list[str] | None = None  # completions echo: the prompt text of each prompt
+    echo_token_texts: list[list[str]] | None = None  # completions echo with logprobs: each prompt's tokens
+    echo_num_top: int = 0
+    prompt_logprobs: bool = False  # prompt_logprobs asked: the response carries them
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -180,6 +184,12 @@ def _specs(
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
     check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
     controls = token_controls(req, tokenizer, model.vocab_size)
+    check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    scored = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        scored = max(scored or 0, req.logprobs)  # the echoed prompt needs its logprobs
+    if scored is not None:
+        controls["prompt_logprobs"] = scored
     specs = []
     for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = req.to_sampling_params(prompt_max_tokens, logprobs, **controls)
@@ -201,14 +211,13 @@ def _prepared(req: SamplingRequest, request_id: str, prompts: list[list[int]], s
         req.include_usage,
         continuous_usage=req.continuous_usage,
         return_token_ids=req.return_token_ids,
+        prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
 def _echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer: Tokenizer) -> list[str] | None:
     if not req.echo:
         return None
-    if req.logprobs is not None:
-        raise bad_request("echo with logprobs (the prompt's logprobs) is not supported; drop one of them", "echo")
     strings = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if req.truncate_prompt_tokens is None and all(isinstance(p, str) for p in strings):
         return [str(p) for p in strings]
@@ -235,6 +244,9 @@ def prepare_completion(req: CompletionRequest, request_id: str, model: ModelInfo
     specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, tokenizer)
     prep = _prepared(req, request_id, prompts, specs)
     prep.echo_texts = echo_texts
+    if req.echo and req.logprobs is not None:
+        prep.echo_num_top = req.logprobs
+        prep.echo_token_texts = [[tokenizer.decode([t], skip_special_tokens=False) for t in p] for p in prompts]
     return prep
 
 
@@ -262,9 +274,12 @@ class ChoiceResult:
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text_parts.append(delta.text)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids += delta.token_ids
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.logprobs is not None:
@@ -351,6 +366,25 @@ class _StreamState:
     def token_ids(self, token_ids: list[int]) -> list[int] | None:
         return list(token_ids) if self.prep.return_token_ids else None
 
+    def carries_ids(self, delta: ChoiceDelta, first: bool) -> bool:
+        """A delta without text still has a chunk when it carries asked-for token ids or prompt logprobs."""
+        return (self.prep.return_token_ids and bool(delta.token_ids)) or (first and self.prep.prompt_logprobs)
+
+    def prompt_scores(self, infos: list[PromptTokenLogprob] | None) -> list | None:
+        return prompt_logprobs_body(infos) if self.prep.prompt_logprobs else None
+
+    def logprobs(
+        self, index: int, infos: list[TokenInfo] | None, prompt: list[PromptTokenLogprob] | None, first: bool
+    ) -> CompletionLogprobs | None:
+        """Completions logprobs; with echo, the prompt's come first (on a stream's first chunk)."""
+        generated = completion_logprobs(infos)
+        texts = self.prep.echo_token_texts
+        if texts is None or not first:
+            return generated
+        prompt_index = index // self.prep.choices_per_prompt
+        echoed = echo_logprobs(texts[prompt_index], prompt, self.prep.echo_num_top)
+        return join(echoed, generated, len(self.echo(index)))
+
     def running_usage(self) -> UsageInfo | None:
         """With ``continuous_usage_stats``: the usage so far, on every chunk."""
         if not (self.prep.include_usage and self.prep.continuous_usage):
@@ -382,15 +416,16 @@ class CompletionFormat:
     def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         first = self.state.first(delta)
         echo = self.state.echo(delta.index) if first else ""
-        if not (delta.text or delta.logprobs or delta.finish_reason or echo):
+        if not (delta.text or delta.logprobs or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
             return None
         choice = CompletionChoice(
             index=delta.index,
             text=echo + delta.text,
-            logprobs=completion_logprobs(delta.logprobs),
+            logprobs=self.state.logprobs(delta.index, delta.logprobs, delta.prompt_logprobs, first),
             finish_reason=delta.finish_reason,
             prompt_token_ids=self.state.prompt_ids(delta.index) if first else None,
             token_ids=self.state.token_ids(delta.token_ids),
+            prompt_logprobs=self.state.prompt_scores(delta.prompt_logprobs) if first else None,
         )
         return self._body([choice], self.state.running_usage())
 
@@ -402,10 +437,11 @@ class CompletionFormat:
             CompletionChoice(
                 index=r.index,
                 text=self.state.echo(r.index) + r.text,
-                logprobs=completion_logprobs(r.logprobs),
+                logprobs=self.state.logprobs(r.index, r.logprobs, r.prompt_logprobs, True),
                 finish_reason=r.finish_reason,
                 prompt_token_ids=self.state.prompt_ids(r.index),
                 token_ids=self.state.token_ids(r.token_ids),
+                prompt_logprobs=self.state.prompt_scores(r.prompt_logprobs),
             )
             for r in results
         ]
@@ -420,7 +456,11 @@ class ChatFormat:
         self.state = _StreamState(prep)
 
     def _chunk(
-        self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None, prompt_ids: list[int] | None = None
+        self,
+        choices: list[ChatStreamChoice],
+        usage_info: UsageInfo | None,
+        prompt_ids: list[int] | None = None,
+        prompt_logprobs: list | None = None,
     ) -> dict[str, Any]:
         body = ChatCompletionChunk(
             id=self.prep.request_id,
@@ -429,6 +469,7 @@ class ChatFormat:
             choices=choices,
             usage=usage_info,
             prompt_token_ids=prompt_ids,
+            prompt_logprobs=prompt_logprobs,
         ).model_dump()
         if not self.prep.include_usage:
             body.pop("usage")
@@ -446,8 +487,8 @@ class ChatFormat:
         ]
 
     def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
-        self.state.first(delta)
-        if not (delta.text or delta.logprobs or delta.finish_reason):
+        first = self.state.first(delta)
+        if not (delta.text or delta.logprobs or delta.finish_reason or self.state.carries_ids(delta, first)):
             return None
         choice = ChatStreamChoice(
             index=delta.index,
@@ -456,7 +497,8 @@ class ChatFormat:
             finish_reason=delta.finish_reason,
             token_ids=self.state.token_ids(delta.token_ids),
         )
-        return self._chunk([choice], self.state.running_usage())
+        scores = self.state.prompt_scores(delta.prompt_logprobs) if first else None
+        return self._chunk([choice], self.state.running_usage(), prompt_logprobs=scores)
 
     def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
         return self._chunk([], usage_info)
@@ -479,4 +521,5 @@ class ChatFormat:
             choices=choices,
             usage=usage_info,
             prompt_token_ids=self.state.prompt_ids(0),
+            prompt_logprobs=self.state.prompt_scores(results[0].prompt_logprobs if results else None),
         ).model_dump()

@@ -16,6 +16,7 @@ from shared.config import EngineConfig
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.model_runner import ModelRunner, kv_block_bytes, torch_dtype
+from shared.engine.prompt_logprobs import record as record_prompt_logprobs
 from shared.engine.request import Request, TokenSample
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -38,6 +39,7 @@ class RequestOutputDelta:
     sample_index: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenSample] | None = None  # on a request's first delta, when asked for
 
 
 @dataclass
@@ -202,6 +204,10 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         sched = self.scheduler.schedule()
         samples = self.runner.execute(sched)
+        for request_id, (first_position, scored) in self.runner.take_prompt_logprobs().items():
+            scored_request = self.scheduler.requests.get(request_id)
+            if scored_request is not None:
+                record_prompt_logprobs(scored_request.prompt_logprobs, first_position, scored)
         deltas: list[RequestOutputDelta] = []
         for seq in sched.seqs:
             if seq.start_pos < len(seq.prompt_token_ids):
@@ -225,7 +231,14 @@ class EngineCore:
             sample_index=request.seed_offset,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=self._first_prompt_logprobs(request),
         )
+
+    @staticmethod
+    def _first_prompt_logprobs(request: Request) -> list[TokenSample] | None:
+        if request.sampling_params.prompt_logprobs is None or request.num_output_tokens != 1:
+            return None
+        return list(request.prompt_logprobs)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

@@ -8,6 +8,7 @@ import mmap
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.prompt_logprobs import compute_prompt_logprobs
 from shared.engine.request import TokenSample
 from shared.engine.sampler import Sampler, SamplingBatch, make_generator
 from shared.engine.scheduler import SchedulerOutput
@@ -65,6 +66,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
+        # Prompt logprobs of the last step, per request: (first prompt position, samples); see take_prompt_logprobs.
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenSample]]] = {}
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA only, with the Triton backend: replay decode steps from CUDA graphs."""
@@ -127,6 +130,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
+        self._prompt_logprobs = compute_prompt_logprobs(hidden, sched, self.model.compute_logits)
         rows, params, prompts, outputs, generators = [], [], [], [], []
         end = 0
         for seq in sched.seqs:
@@ -146,6 +150,11 @@ class ModelRunner:
         )
         out = self.sampler(logits, batch)
         return self._collect(sched, out, batch)
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[TokenSample]]]:
+        """The prompt logprobs the last ``execute`` computed (each step's are taken once)."""
+        taken, self._prompt_logprobs = self._prompt_logprobs, {}
+        return taken
 
     def _collect(self, sched: SchedulerOutput, out, batch: SamplingBatch) -> dict[str, list[TokenSample]]:
         token_ids = out.token_ids.tolist()

@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sequences that must not be completed
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many top alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +74,8 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            fail(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop strings must be non-empty strings")
         if self.stop and not self.detokenize:

@@ -20,7 +20,13 @@ def test_disaggregated_completion(router, script, tokenizer):
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["id"] == response.headers["x-request-id"]
     [choice] = body["choices"]
-    assert choice == {"index": 0, "text": tokenizer.decode(script.ids(5)), "logprobs": None, "finish_reason": "length"}
+    assert choice == {
+        "index": 0,
+        "text": tokenizer.decode(script.ids(5)),
+        "logprobs": None,
+        "finish_reason": "length",
+        "prompt_logprobs": None,
+    }
     num_prompt = len(tokenizer.encode("Hello there"))
     assert body["usage"] == {
         "prompt_tokens": num_prompt,
@@ -156,6 +162,7 @@ def test_stop_token_id_text_is_dropped(agg_router, script, tokenizer):
         "text": tokenizer.decode(script.ids(2)),
         "logprobs": None,
         "finish_reason": "stop",
+        "prompt_logprobs": None,
     }
     assert body["usage"]["completion_tokens"] == 3
 

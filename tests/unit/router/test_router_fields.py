@@ -143,3 +143,50 @@ def test_continuous_usage_stats(agg_router, script, stream_post):
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counts == sorted(counts) and counts[-1] == 4
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("disaggregated", [True, False])
+def test_prompt_logprobs_on_completions(router_factory, script, tokenizer, disaggregated):
+    router = router_factory(prefill=disaggregated)
+    body = post(router, "/v1/completions", {"prompt": "Hello there", "prompt_logprobs": 1}).json()
+    [choice] = body["choices"]
+    prompt = tokenizer.encode("Hello there")
+    scores = choice["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(prompt)
+    for position, (token, entry) in enumerate(zip(prompt[1:], scores[1:], strict=True), start=1):
+        assert entry[str(token)] == {
+            "logprob": pytest.approx(-position / 100),
+            "rank": position,
+            "decoded_token": tokenizer.decode([token], skip_special_tokens=False),
+        }
+        assert entry[str(token + 1)]["logprob"] == -1.0 and entry[str(token + 1)]["rank"] == 1
+    if disaggregated:  # scored once, where the prompt was computed
+        assert script.prefill_requests[0].sampling.prompt_logprobs == 1
+        assert not script.generate_requests[0].sampling.HasField("prompt_logprobs")
+
+
+def test_prompt_logprobs_on_chat_and_chat_stream(router, script, stream_post):
+    body = post(router, "/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 0}).json()
+    prompt = list(script.prefill_requests[0].prompt_token_ids)
+    assert len(body["prompt_logprobs"]) == len(prompt) and body["prompt_logprobs"][0] is None
+    assert list(body["prompt_logprobs"][1]) == [str(prompt[1])]
+    events = stream_post(router, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "prompt_logprobs": 0})
+    with_scores = [e for e in events if e != "[DONE]" and "prompt_logprobs" in e]
+    assert len(with_scores) == 1 and len(with_scores[0]["prompt_logprobs"]) == len(prompt)
+    assert post(router, "/v1/chat/completions", {"messages": MESSAGES}).json()["prompt_logprobs"] is None
+
+
+def test_echo_with_logprobs_puts_the_prompt_first(agg_router, script, tokenizer, stream_post):
+    body = post(agg_router, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}).json()
+    logprobs = body["choices"][0]["logprobs"]
+    prompt = tokenizer.encode("Hi")
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+    assert logprobs["tokens"][: len(prompt)] == texts
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1 : len(prompt)] == [pytest.approx(-p / 100) for p in range(1, len(prompt))]
+    assert len(logprobs["tokens"]) == len(prompt) + 3
+    assert logprobs["text_offset"][len(prompt)] == len("Hi")  # generated text starts after the echo
+    assert body["choices"][0]["prompt_logprobs"] is None  # not asked for
+    events = stream_post(agg_router, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 3})
+    streamed = [t for e in events if e != "[DONE]" for c in e["choices"] for t in c["logprobs"]["tokens"]]
+    assert streamed == logprobs["tokens"]
