@@ -109,3 +109,30 @@ def test_cached_tokens_are_the_prefill_workers_prefix_hit(servers):
         model=servers["name"], messages=[{"role": "user", "content": long_prompt}], max_tokens=2
     )
     assert chat.usage.prompt_tokens_details is not None
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_scores(model_dir, reference):
+    """transformers' log_softmax of the prompt's logits: position p scores prompt token p + 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt_ids, _ = reference
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logprobs = model(torch.tensor([prompt_ids])).logits[0].float().log_softmax(dim=-1)  # [P, V]
+    return [logprobs[p - 1, prompt_ids[p]].item() for p in range(1, len(prompt_ids))]
+
+
+@pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
+def test_echo_logprobs_and_prompt_logprobs_equal_transformers(servers, reference, hf_prompt_scores, path):
+    prompt_ids, _ = reference
+    out = complete(servers, path, echo=True, logprobs=2, prompt_logprobs=1).choices[0].model_dump()
+    assert out["text"].startswith(PROMPT)
+    echoed = out["logprobs"]["token_logprobs"][: len(prompt_ids)]
+    assert echoed[0] is None
+    assert echoed[1:] == pytest.approx(hf_prompt_scores, abs=1e-3)
+    scores = out["prompt_logprobs"]
+    assert scores[0] is None
+    got = [scores[p][str(prompt_ids[p])]["logprob"] for p in range(1, len(prompt_ids))]
+    assert got == pytest.approx(hf_prompt_scores, abs=1e-3)
