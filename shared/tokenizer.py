@@ -21,6 +21,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from shared.tokenizer_class import apply_class_pipeline, resolve_tokenizer_class
+
 # Named special tokens a chat template may refer to (``bos_token`` etc.).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
@@ -147,6 +149,8 @@ class Tokenizer:
             raise TokenizerLoadError(f"{tokenizer_path}: cannot be loaded ({e})") from None
         config_path = model_dir / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
+        # Follow the class transformers would pick where its pipeline differs from tokenizer.json's.
+        apply_class_pipeline(backend, resolve_tokenizer_class(model_dir, config), config)
         return cls(backend, config, _load_chat_templates(model_dir, config))
 
     # -- special tokens -----------------------------------------------------------------------
