@@ -25,7 +25,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
 
 
 def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
-    """Copy ``logit_bias``, ``allowed_token_ids`` and bad words onto the wire message."""
+    """Copy ``logit_bias``, ``allowed_token_ids``, bad words, prompt logprobs and pooling onto the wire message."""
     for token_id, bias in p.logit_bias.items():
         msg.logit_bias[token_id] = bias
     if p.allowed_token_ids is not None:
@@ -34,6 +34,8 @@ def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
         msg.bad_words.add(token_ids=word)
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.pooling is not None:
+        msg.pooling, msg.normalize = p.pooling, p.normalize
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -50,6 +52,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         allowed_token_ids=list(msg.allowed_token_ids.token_ids) if msg.HasField("allowed_token_ids") else None,
         bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        pooling=msg.pooling or None, normalize=msg.normalize if msg.pooling else True,
     )  # fmt: skip
 
 

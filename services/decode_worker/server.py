@@ -78,6 +78,7 @@ class DecodeWorker(WorkerBase):
                     tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
                     num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
                     prompt_logprobs=[token_to_proto(s) for s in delta.prompt_logprobs or []],
+                    embedding=delta.embedding or [],
                 )  # fmt: skip
                 if first:
                     first = False

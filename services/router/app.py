@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router.embeddings import install_embeddings
 from services.router.extra_routes import install_extra_routes
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
 from services.router.metrics import RequestTimer, RouterMetrics
@@ -335,6 +336,7 @@ def create_app(
     app.state.router = state
     install_error_handlers(app, state.metrics)
     install_extra_routes(app, state, created)
+    install_embeddings(app, state)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

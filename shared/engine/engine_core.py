@@ -40,6 +40,7 @@ class RequestOutputDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenSample] | None = None  # on a request's first delta, when asked for
+    embedding: list[float] | None = None  # embedding requests (SamplingParams.pooling): the pooled vector
 
 
 @dataclass
@@ -160,6 +161,8 @@ class EngineCore:
                 f"{self.max_model_len} tokens (including at least one generated token); shorten the prompt"
             )
         params.validate()
+        if params.pooling is not None and (params.max_tokens != 1 or params.n != 1):
+            raise InvalidRequestError("embedding requests (pooling) take max_tokens=1 and n=1")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
@@ -204,6 +207,7 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         sched = self.scheduler.schedule()
         samples = self.runner.execute(sched)
+        embeddings = self.runner.take_embeddings()
         for request_id, (first_position, scored) in self.runner.take_prompt_logprobs().items():
             scored_request = self.scheduler.requests.get(request_id)
             if scored_request is not None:
@@ -214,7 +218,9 @@ class EngineCore:
                 self.num_prompt_tokens_computed += min(len(seq.token_ids), len(seq.prompt_token_ids) - seq.start_pos)
         for request, sample in self.scheduler.update_from_output(sched, samples):
             self.num_generation_tokens += 1
-            deltas.append(self._delta(request, sample))
+            delta = self._delta(request, sample)
+            delta.embedding = embeddings.get(request.request_id)
+            deltas.append(delta)
         return deltas
 
     def _delta(self, request: Request, sample: TokenSample) -> RequestOutputDelta:

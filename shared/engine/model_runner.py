@@ -8,6 +8,7 @@ import mmap
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.pooling import Pooler
 from shared.engine.prompt_logprobs import compute_prompt_logprobs
 from shared.engine.request import TokenSample
 from shared.engine.sampler import Sampler, SamplingBatch, make_generator
@@ -68,6 +69,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Prompt logprobs of the last step, per request: (first prompt position, samples); see take_prompt_logprobs.
         self._prompt_logprobs: dict[str, tuple[int, list[TokenSample]]] = {}
+        self.pooler = Pooler()
+        self._embeddings: dict[str, list[float]] = {}  # finished in the last step; see take_embeddings
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA only, with the Triton backend: replay decode steps from CUDA graphs."""
@@ -77,6 +80,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.pooler.release(request_id)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if request_id not in self._generators:
@@ -131,6 +135,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
         self._prompt_logprobs = compute_prompt_logprobs(hidden, sched, self.model.compute_logits)
+        self._embeddings = self.pooler.step(hidden, sched)
         rows, params, prompts, outputs, generators = [], [], [], [], []
         end = 0
         for seq in sched.seqs:
@@ -150,6 +155,11 @@ class ModelRunner:
         )
         out = self.sampler(logits, batch)
         return self._collect(sched, out, batch)
+
+    def take_embeddings(self) -> dict[str, list[float]]:
+        """The embeddings the last ``execute`` finished (each taken once)."""
+        taken, self._embeddings = self._embeddings, {}
+        return taken
 
     def take_prompt_logprobs(self) -> dict[str, tuple[int, list[TokenSample]]]:
         """The prompt logprobs the last ``execute`` computed (each step's are taken once)."""

@@ -36,6 +36,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sequences that must not be completed
     prompt_logprobs: int | None = None  # score the prompt's tokens, with this many top alternatives
+    # Embedding request: pool the prompt's final hidden states ("last" or "mean"); see shared.engine.pooling.
+    pooling: str | None = None
+    normalize: bool = True  # L2-normalize the pooled embedding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +77,8 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.pooling not in (None, "last", "mean"):
+            fail(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             fail(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -136,3 +136,42 @@ def test_echo_logprobs_and_prompt_logprobs_equal_transformers(servers, reference
     assert scores[0] is None
     got = [scores[p][str(prompt_ids[p])]["logprob"] for p in range(1, len(prompt_ids))]
     assert got == pytest.approx(hf_prompt_scores, abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def hf_hidden(model_dir):
+    """Final (normed) hidden states of transformers' forward pass, per input text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def hidden(text: str):
+        with torch.inference_mode():
+            return model.model(torch.tensor([tokenizer(text)["input_ids"]])).last_hidden_state[0]  # [P, hidden]
+
+    return hidden
+
+
+def test_embeddings_equal_transformers_pooled_the_same_way(servers, hf_hidden):
+    import base64
+    import struct
+
+    import torch
+
+    texts = [PROMPT, "hello", "a long story about the sea and the ships"]
+    api = client(servers, "disaggregated")
+    out = api.embeddings.create(model=servers["name"], input=texts)
+    assert [d.index for d in out.data] == [0, 1, 2]
+    for text, item in zip(texts, out.data, strict=True):
+        expected = torch.nn.functional.normalize(hf_hidden(text)[-1], dim=0)
+        assert torch.allclose(torch.tensor(item.embedding), expected, atol=1e-4)
+    body = {"model": servers["name"], "input": texts[0], "pooling": "mean", "normalize": False}
+    mean = httpx.post(f"{servers['aggregated']}/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    raw = base64.b64decode(mean["data"][0]["embedding"])
+    vector = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert torch.allclose(vector, hf_hidden(texts[0]).mean(dim=0), atol=1e-4)
+    assert mean["usage"]["prompt_tokens"] == hf_hidden(texts[0]).shape[0]
+    refused = httpx.post(f"{servers['aggregated']}/v1/embeddings", json={**body, "dimensions": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"

@@ -75,3 +75,23 @@ def test_load_counts_requests_in_flight(agg_router, script, eventually):
 def test_version(agg_router):
     version = httpx.get(f"{agg_router.url}/version").json()["version"]
     assert version and version[0].isdigit()
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [1, 10**6]}, "input"),
+        ({"input": "hi", "dimensions": 7}, "dimensions"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "pooling": "max"}, "pooling"),
+        ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+        ({"input": "hi " * 300}, "input"),
+    ],
+)
+def test_embedding_errors_name_the_field(agg_router, script, body, param):
+    response = httpx.post(f"{agg_router.url}/v1/embeddings", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert not script.generate_requests

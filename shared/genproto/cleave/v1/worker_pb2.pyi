@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs")
+    __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs", "pooling", "normalize")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class SamplingParams(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     n: int
     temperature: float
     top_p: float
@@ -51,7 +53,9 @@ class SamplingParams(_message.Message):
     allowed_token_ids: TokenIdList
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenIdList]
     prompt_logprobs: int
-    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Union[TokenIdList, _Mapping]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIdList, _Mapping]]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    pooling: str
+    normalize: bool
+    def __init__(self, n: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Union[TokenIdList, _Mapping]] = ..., bad_words: _Optional[_Iterable[_Union[TokenIdList, _Mapping]]] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class TokenIdList(_message.Message):
     __slots__ = ("token_ids",)
@@ -142,7 +146,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[_Union[TokenOutput, _Mapping]] = ..., kv_handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_transfer_bytes", "kv_transfer_seconds", "kv_recomputed", "prompt_logprobs")
+    __slots__ = ("tokens", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_transfer_bytes", "kv_transfer_seconds", "kv_recomputed", "prompt_logprobs", "embedding")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,7 @@ class GenerateResponse(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenOutput]
     finish_reason: str
     num_prompt_tokens: int
@@ -159,7 +164,8 @@ class GenerateResponse(_message.Message):
     kv_transfer_seconds: float
     kv_recomputed: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenOutput]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
