@@ -206,7 +206,7 @@ def start_choices(
     def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
         return ChoiceDecoder(state.tokenizer, spec, eos)
 
-    return run_choices(ctx, run.prep.specs, make_decoder)
+    return run_choices(ctx, run.prep.worker_requests, make_decoder)
 
 
 async def serve_generation(

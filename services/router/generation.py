@@ -15,6 +15,7 @@ consumer stops (stop string, client gone), which aborts the worker requests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -96,7 +97,7 @@ class ChoiceDelta:
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     """Wire form of the params; stop strings stay in the router, which owns the text."""
     msg = worker_pb2.SamplingParams(
-        n=1,
+        n=params.n,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -167,6 +168,7 @@ async def _decode(
             raise APIError(503, str(e), "service_unavailable") from None
         call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
         received = finished = unreachable = False
+        num_open = max(1, request.sampling.n)  # a forked request ends when all its samples have
         with worker.track():
             try:
                 async for response in call:
@@ -175,7 +177,9 @@ async def _decode(
                         raise APIError(
                             503, f"decode worker {worker.address} aborted the request", "service_unavailable"
                         )
-                    finished = bool(response.finish_reason)
+                    if response.finish_reason:
+                        num_open -= 1
+                    finished = num_open == 0
                     yield response
                     if finished:
                         return
@@ -201,7 +205,8 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
     disaggregate = (
-        bool(ctx.pools.prefill)
+        spec.params.n == 1  # a fork prefills once on the decode worker
+        and bool(ctx.pools.prefill)
         and (spec.params.max_tokens or 0) > 1
         and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens
     )
@@ -332,6 +337,25 @@ class ChoiceDecoder:
 _DONE = object()
 
 
+def fork_children(spec: ChoiceSpec) -> list[ChoiceSpec]:
+    """The choices of a worker request: itself, or for a fork (``params.n`` > 1) one per sample."""
+    if spec.params.n == 1:
+        return [spec]
+    params = dataclasses.replace(spec.params, n=1)
+    return [
+        dataclasses.replace(spec, index=spec.index + i, request_id=f"{spec.request_id}/{i}" if i else spec.request_id,
+                            params=choice_params_of(params, i))
+        for i in range(spec.params.n)
+    ]  # fmt: skip
+
+
+def choice_params_of(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of a fork draws with ``seed + index``, as the engine's children do."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
 async def run_choices(
     ctx: CallContext, specs: Sequence[ChoiceSpec], make_decoder: Callable[[ChoiceSpec], ChoiceDecoder]
 ) -> AsyncGenerator[ChoiceDelta, None]:
@@ -339,16 +363,20 @@ async def run_choices(
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run_one(spec: ChoiceSpec) -> None:
-        decoder = make_decoder(spec)
+        decoders = {child.index: make_decoder(child) for child in fork_children(spec)}
         stream = worker_tokens(ctx, spec)
         try:
             async for response in stream:
+                decoder = decoders.get(spec.index + response.sample_index)
+                if decoder is None or decoder.finish_reason is not None:
+                    continue  # a sample already cut at a stop string
                 delta = decoder.add(response)
-                ctx.timer.on_tokens(spec.index, delta.num_tokens)
+                ctx.timer.on_tokens(delta.index, delta.num_tokens)
                 queue.put_nowait(delta)
                 if delta.finish_reason:
                     ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
-                    break
+                    if all(d.finish_reason is not None for d in decoders.values()):
+                        break
             queue.put_nowait(_DONE)
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait(e)

@@ -8,6 +8,7 @@ All of it is pure: no I/O, no workers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -74,10 +75,16 @@ class Prepared:
     echo_token_texts: list[list[str]] | None = None  # completions echo with logprobs: each prompt's tokens
     echo_num_top: int = 0
     prompt_logprobs: bool = False  # prompt_logprobs asked: the response carries them
+    forks: list[ChoiceSpec] | None = None  # n > 1: one worker request per prompt, forked by the engine
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def worker_requests(self) -> list[ChoiceSpec]:
+        """What goes to the workers: a fork per prompt when n > 1, else one request per choice."""
+        return self.forks if self.forks is not None else self.specs
 
     @property
     def choices_per_prompt(self) -> int:
@@ -202,6 +209,13 @@ def _specs(
     return specs
 
 
+def _forks(req: SamplingRequest, specs: list[ChoiceSpec]) -> list[ChoiceSpec] | None:
+    """n > 1: the first choice of each prompt, asking the engine for all n (prefill once, share the blocks)."""
+    if req.n == 1:
+        return None
+    return [dataclasses.replace(s, params=dataclasses.replace(s.params, n=req.n)) for s in specs[:: req.n]]
+
+
 def _prepared(req: SamplingRequest, request_id: str, prompts: list[list[int]], specs: list[ChoiceSpec]) -> Prepared:
     return Prepared(
         request_id,
@@ -212,6 +226,7 @@ def _prepared(req: SamplingRequest, request_id: str, prompts: list[list[int]], s
         continuous_usage=req.continuous_usage,
         return_token_ids=req.return_token_ids,
         prompt_logprobs=req.prompt_logprobs is not None,
+        forks=_forks(req, specs),
     )
 
 

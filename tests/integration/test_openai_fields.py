@@ -175,3 +175,14 @@ def test_embeddings_equal_transformers_pooled_the_same_way(servers, hf_hidden):
     assert mean["usage"]["prompt_tokens"] == hf_hidden(texts[0]).shape[0]
     refused = httpx.post(f"{servers['aggregated']}/v1/embeddings", json={**body, "dimensions": 3})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
+def test_n_is_one_engine_fork_equal_to_the_offline_engine(servers, model_dir, path):
+    llm = LLM(model=str(model_dir), dtype="float32", num_blocks=256)
+    params = SamplingParams(n=4, temperature=0.9, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [expected] = llm.generate([llm.tokenizer.encode(PROMPT)], params)
+    out = complete(servers, path, n=4, temperature=0.9, seed=11, return_token_ids=True)
+    got = {c.index: c.model_dump()["token_ids"] for c in out.choices}
+    assert [got[i] for i in range(4)] == [o.token_ids for o in expected.outputs]
+    assert len({tuple(ids) for ids in got.values()}) > 1

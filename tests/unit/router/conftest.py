@@ -170,23 +170,31 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
         script.metadata.append(dict(context.invocation_metadata()))
         if script.fail_generate is not None:
             context.abort(script.fail_generate, "injected generate failure")
-        position = 1 if request.HasField("first_token") else 0
-        batch, finish = [], ""
         scores = script.prompt_logprobs(request)
         # The RPC ends either after the last message or by the client's cancellation.
-        context.add_callback(lambda: None if finish else script.cancelled.append(request.request_id))
-        while not finish and context.is_active():
-            token, finish = script.output(request.sampling, position)
-            batch.append(token)
-            position += 1
-            if len(batch) == script.tokens_per_message or finish:
-                yield worker_pb2.GenerateResponse(
-                    tokens=batch, finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids),
-                    prompt_logprobs=scores,
-                )  # fmt: skip
-                batch, scores = [], []
-                if script.delay_s:
-                    time.sleep(script.delay_s)
+        done = []
+        context.add_callback(lambda: None if done else script.cancelled.append(request.request_id))
+        # n > 1 (a fork): sample i follows the script with seed + i (when seeded), one sample after the other.
+        for sample in range(max(1, request.sampling.n)):
+            sampling = worker_pb2.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            if sample and sampling.HasField("seed"):
+                sampling.seed += sample
+            position = 1 if request.HasField("first_token") else 0
+            batch, finish = [], ""
+            while not finish and context.is_active():
+                token, finish = script.output(sampling, position)
+                batch.append(token)
+                position += 1
+                if len(batch) == script.tokens_per_message or finish:
+                    yield worker_pb2.GenerateResponse(
+                        tokens=batch, finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids),
+                        prompt_logprobs=scores, sample_index=sample,
+                    )  # fmt: skip
+                    batch, scores = [], []
+                    if script.delay_s:
+                        time.sleep(script.delay_s)
+        done.append(True)
 
 
 class _ScriptHolder:

@@ -190,3 +190,17 @@ def test_echo_with_logprobs_puts_the_prompt_first(agg_router, script, tokenizer,
     events = stream_post(agg_router, "/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1, "max_tokens": 3})
     streamed = [t for e in events if e != "[DONE]" for c in e["choices"] for t in c["logprobs"]["tokens"]]
     assert streamed == logprobs["tokens"]
+
+
+def test_fork_streams_every_choice_and_cuts_each_at_its_stop(agg_router, script, tokenizer, stream_post):
+    stop = tokenizer.decode(script.ids(3, seed=1))[-2:]  # inside choice 1's text only at its third token
+    body = {"prompt": ["Hi", "Yo"], "max_tokens": 5, "n": 3, "seed": 0, "stop": [stop]}
+    events = stream_post(agg_router, "/v1/completions", body)
+    texts: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    for index in range(6):
+        full = tokenizer.decode(script.ids(5, seed=index % 3))
+        assert texts[index] == (full[: full.index(stop)] if stop in full else full)
+    assert [r.sampling.n for r in script.generate_requests] == [3, 3]
