@@ -1,4 +1,4 @@
-"""``cleave bench throughput|serve``: benchmarks that print JSON."""
+"""``cleave bench throughput|serve|fork``: benchmarks that print JSON."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import sys
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cleave bench {throughput,serve} [--help]\n"
+        print("usage: cleave bench {throughput,serve,fork} [--help]\n"
               "  throughput  offline generation throughput of cleave vs transformers (hf, hf-cb)\n"
-              "  serve       load an OpenAI-compatible server with Poisson arrivals, vLLM-style latency metrics")  # fmt: skip
+              "  serve       load an OpenAI-compatible server with Poisson arrivals, vLLM-style latency metrics\n"
+              "  fork        n samples as one engine fork vs n independent requests: KV blocks, tokens/s")  # fmt: skip
         return 0 if argv else 2
     if argv[0] == "throughput":
         from shared.bench.throughput import main as run
     elif argv[0] == "serve":
         from shared.bench.serve import main as run
+    elif argv[0] == "fork":
+        from shared.bench.fork import main as run
     else:
-        print(f"unknown benchmark {argv[0]!r}; choose throughput or serve", file=sys.stderr)
+        print(f"unknown benchmark {argv[0]!r}; choose throughput, serve or fork", file=sys.stderr)
         return 2
     return run(argv[1:])
 
