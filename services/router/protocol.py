@@ -172,6 +172,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the prompt ends inside the last message, which the model continues
+    echo: bool = False  # vLLM: prepend the last message's content when its role is the response's
 
 
 # ---------------------------------------------------------------- responses

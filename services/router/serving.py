@@ -153,7 +153,26 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     """Apply the model's chat template; the rendered text carries its own special tokens."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+        return continued_prompt_ids(req.messages, tokenizer)
     return chat_prompt_ids(req.messages, req.add_generation_prompt, tokenizer)
+
+
+def continued_prompt_ids(chat_messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
+    """The template's rendering cut right after the last message's content (no end-of-turn after it)."""
+    if not chat_messages:
+        raise bad_request("messages must not be empty", "messages")
+    ids = chat_prompt_ids(chat_messages, False, tokenizer)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    final = chat_messages[-1].text().strip()
+    end = text.rfind(final) if final else -1
+    if end < 0:
+        raise bad_request("continue_final_message: the template does not show the last message's content", "messages")
+    return tokenizer.encode(text[: end + len(final)], add_special_tokens=False)
 
 
 def chat_prompt_ids(
@@ -275,7 +294,11 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, model: ModelInfo, 
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, tokenizer)
-    return _prepared(req, request_id, [prompt_ids], specs)
+    prep = _prepared(req, request_id, [prompt_ids], specs)
+    response_role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+    if req.echo and req.messages[-1].role == response_role:
+        prep.echo_texts = [req.messages[-1].text()]
+    return prep
 
 
 @dataclass
@@ -503,11 +526,12 @@ class ChatFormat:
 
     def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         first = self.state.first(delta)
-        if not (delta.text or delta.logprobs or delta.finish_reason or self.state.carries_ids(delta, first)):
+        echo = self.state.echo(delta.index) if first else ""
+        if not (delta.text or delta.logprobs or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
             return None
         choice = ChatStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text or None),
+            delta=DeltaMessage(content=(echo + delta.text) or None),
             logprobs=chat_logprobs(delta.logprobs),
             finish_reason=delta.finish_reason,
             token_ids=self.state.token_ids(delta.token_ids),
@@ -522,7 +546,7 @@ class ChatFormat:
         choices = [
             ChatChoice(
                 index=r.index,
-                message=ChatResponseMessage(content=r.text),
+                message=ChatResponseMessage(content=self.state.echo(r.index) + r.text),
                 logprobs=chat_logprobs(r.logprobs),
                 finish_reason=r.finish_reason,
                 token_ids=self.state.token_ids(r.token_ids),

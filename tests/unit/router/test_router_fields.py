@@ -204,3 +204,22 @@ def test_fork_streams_every_choice_and_cuts_each_at_its_stop(agg_router, script,
         full = tokenizer.decode(script.ids(5, seed=index % 3))
         assert texts[index] == (full[: full.index(stop)] if stop in full else full)
     assert [r.sampling.n for r in script.generate_requests] == [3, 3]
+
+
+def test_chat_continue_final_message_and_echo(agg_router, script, tokenizer, stream_post):
+    messages = [*MESSAGES, {"role": "assistant", "content": "Sure, the answer"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    out = post(agg_router, "/v1/chat/completions", body).json()
+    prompt = list(script.generate_requests[0].prompt_token_ids)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    cut = rendered[: rendered.rfind("Sure, the answer") + len("Sure, the answer")]
+    assert prompt == tokenizer.encode(cut, add_special_tokens=False)
+    assert out["choices"][0]["message"]["content"] == "Sure, the answer" + tokenizer.decode(script.ids(3))
+    events = stream_post(agg_router, "/v1/chat/completions", {**body, "max_tokens": 3})
+    text = "".join(c["delta"].get("content") or "" for e in events[:-1] for c in e["choices"])
+    assert text == "Sure, the answer" + tokenizer.decode(script.ids(3))
+    # echo without a matching role adds nothing; both flags at once are refused
+    plain = post(agg_router, "/v1/chat/completions", {"messages": MESSAGES, "echo": True}).json()
+    assert plain["choices"][0]["message"]["content"] == tokenizer.decode(script.ids(3))
+    both = post(agg_router, "/v1/chat/completions", {"messages": messages, "continue_final_message": True})
+    assert error_of(both, "continue_final_message")
