@@ -91,11 +91,14 @@ def _asks_nothing(name: str, value: Any) -> bool:
     return off is not _OFF and value == off and type(value) is type(off)
 
 
-def check_fields(request: BaseModel) -> None:
+def check_fields(request: BaseModel, prefix: str = "") -> None:
     """Refuse, with a 400 naming it, the first field of ``request`` that the router does not implement."""
     for name, value in (request.model_extra or {}).items():
         if _asks_nothing(name, value):
             continue
-        if name in KNOWN_FIELDS:
+        if name in KNOWN_FIELDS and not prefix:
             raise bad_request(f"{name} is not supported by this server; remove it from the request", name)
-        raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+        raise bad_request(f"Unrecognized request argument supplied: {prefix}{name}", f"{prefix}{name}")
+    stream_options = getattr(request, "stream_options", None)
+    if isinstance(stream_options, BaseModel):
+        check_fields(stream_options, "stream_options.")

@@ -58,7 +58,7 @@ class _TopRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Request):
+class StreamOptions(_TopRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 

@@ -223,3 +223,10 @@ def test_chat_continue_final_message_and_echo(agg_router, script, tokenizer, str
     assert plain["choices"][0]["message"]["content"] == tokenizer.decode(script.ids(3))
     both = post(agg_router, "/v1/chat/completions", {"messages": messages, "continue_final_message": True})
     assert error_of(both, "continue_final_message")
+
+
+def test_unknown_stream_option_is_refused(agg_router, script):
+    body = {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True, "chunk_size": 4}}
+    assert "stream_options.chunk_size" in error_of(
+        post(agg_router, "/v1/completions", body), "stream_options.chunk_size"
+    )
