@@ -23,7 +23,7 @@ from pydantic import StrictInt, StrictStr
 from services.router.fields import check_fields
 from services.router.generation import CallContext, ChoiceSpec, worker_tokens
 from services.router.metrics import RequestTimer
-from services.router.protocol import _TopRequest, bad_request
+from services.router.protocol import RequestBody, bad_request
 from services.router.serving import check_model
 from services.router.token_controls import check_vocab, truncate_prompt
 from services.router.workers import call_metadata, child_traceparent
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 MAX_INPUTS = 2048
 
 
-class EmbeddingRequest(_TopRequest):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from pydantic import StrictInt, StrictStr
 
 from services.router.fields import check_fields
-from services.router.protocol import ChatMessage, ModelCard, _TopRequest, bad_request
+from services.router.protocol import ChatMessage, ModelCard, RequestBody, bad_request
 from services.router.serving import chat_prompt_ids, check_model
 from services.router.token_controls import check_vocab
 
@@ -37,7 +37,7 @@ def server_version() -> str:
         return "unknown"
 
 
-class TokenizeRequest(_TopRequest):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -46,7 +46,7 @@ class TokenizeRequest(_TopRequest):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_TopRequest):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[StrictInt]
 

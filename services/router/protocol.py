@@ -52,18 +52,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class _TopRequest(BaseModel):
+class RequestBody(BaseModel):
     """A request body: undeclared fields are kept, so that they can be refused by name."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_TopRequest):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class SamplingRequest(_TopRequest):
+class SamplingRequest(RequestBody):
     """Fields common to ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
