@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shared import flags
 from shared.cli import DEFAULT_MODEL_DIR, env_default
 from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 
@@ -35,8 +36,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--prefill-workers", type=int, default=int(env_default("--prefill-workers", 1)),
                         help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
-    parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
-    return parser.parse_known_args(argv)
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="no /metrics on the workers (by default each serves one on a free port, printed)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint", None),
+                        help="OTLP/gRPC collector URL: router and workers export OpenTelemetry traces (default off)")  # fmt: skip
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=["text", "json"],
+                        help="log lines of every process: text or one JSON object per line")  # fmt: skip
+    return flags.parse_known_args(parser, argv)
 
 
 class Cluster:
@@ -141,20 +147,25 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
-        if args.metrics:
-            common += ["--metrics-port", "0"]
+        if args.no_metrics:
+            common += ["--no-metrics"]
+        shared_flags = ["--log-format", args.log_format]
+        if args.otlp_traces_endpoint:
+            shared_flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        common += shared_flags
         pending = [
             cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
         ]
         pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                       "--served-model-name", served_model_name(args.model)]  # fmt: skip
+                       "--served-model-name", served_model_name(args.model), *shared_flags]  # fmt: skip
         for proc in pending:
             info = cluster.wait_ready_line(proc)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
             router_args += [flag, info["grpc"]]
+            metrics = "off" if info["metrics_port"] == "-1" else f"http://{args.host}:{info['metrics_port']}/metrics"
             print(f"{proc.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "  # type: ignore[attr-defined]
-                  f"metrics_port={info['metrics_port']}", flush=True)  # fmt: skip
+                  f"metrics={metrics}", flush=True)  # fmt: skip
         router = cluster.start("services.router", router_args, "router")
         threading.Thread(target=_drain, args=(router,), daemon=True).start()
         base = f"http://{args.host}:{args.port}"
@@ -162,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served_model_name(args.model)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one sentence.\"}}], \"max_tokens\": 32}}'\n"
+              f"  router metrics: {base}/metrics\n"
               "Press Ctrl-C to stop.", flush=True)  # fmt: skip
         while all(p.poll() is None for p in cluster.procs):
             time.sleep(0.5)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from shared.engine.request import TokenSample
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.structured.constraint import Constraint
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -20,6 +21,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(p.constraint))
     set_token_controls(msg, p)
     return msg
 
@@ -38,6 +41,20 @@ def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
         msg.pooling, msg.normalize = p.pooling, p.normalize
 
 
+def constraint_to_proto(c: Constraint) -> pb.OutputConstraint:
+    return pb.OutputConstraint(kind=c.kind, spec=c.spec)
+
+
+def constraint_from_proto(msg: pb.SamplingParams) -> Constraint | None:
+    """Raises InvalidRequestError on an unknown kind."""
+    if not msg.HasField("constraint"):
+        return None
+    try:
+        return Constraint(msg.constraint.kind, msg.constraint.spec)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+
+
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Raises InvalidRequestError on invalid values."""
     return SamplingParams(
@@ -53,6 +70,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         pooling=msg.pooling or None, normalize=msg.normalize if msg.pooling else True,
+        constraint=constraint_from_proto(msg),
     )  # fmt: skip
 
 

@@ -26,7 +26,6 @@ from services.router.metrics import RequestTimer
 from services.router.protocol import RequestBody, bad_request
 from services.router.serving import check_model
 from services.router.token_controls import check_vocab, truncate_prompt
-from services.router.workers import call_metadata, child_traceparent
 from shared.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ def install_embeddings(app: FastAPI, state: RouterState) -> None:
         assert state.pools is not None, "worker pools start with the app"
         ctx = CallContext(
             state.pools,
-            call_metadata(child_traceparent(request.headers.get("traceparent")), request_id),
+            (("x-request-id", request_id),),
             state.settings.rpc_timeout_s,
             state.settings.disagg_min_prompt_tokens,
             state.metrics,

@@ -42,7 +42,10 @@ from services.router.protocol import (
     bad_request,
     choice_params,
 )
+from services.router.structured import ConstraintError, StructuredOutputFields
 from services.router.token_controls import check_vocab, token_controls, truncate_prompt
+from services.router.tools import ToolCallStream, ToolPlan, extract_tool_calls, message_for_template, plan_tools
+from shared.structured.constraint import Constraint
 from shared.tokenizer import Tokenizer
 
 MAX_N = 128
@@ -58,6 +61,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Prepared:
     specs: list[ChoiceSpec]
     stream: bool
     include_usage: bool
+    tool_plan: ToolPlan | None = None  # chat with tools: how calls come back
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     return_token_ids: bool = False
     echo_texts: list[str] | None = None  # completions echo: the prompt text of each prompt
@@ -158,15 +163,15 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
             )
-        return continued_prompt_ids(req.messages, tokenizer)
-    return chat_prompt_ids(req.messages, req.add_generation_prompt, tokenizer)
+        return continued_prompt_ids(req.messages, tokenizer, req.template_tools())
+    return chat_prompt_ids(req.messages, req.add_generation_prompt, tokenizer, tools=req.template_tools())
 
 
-def continued_prompt_ids(chat_messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
+def continued_prompt_ids(chat_messages: list[ChatMessage], tokenizer: Tokenizer, tools: Any = None) -> list[int]:
     """The template's rendering cut right after the last message's content (no end-of-turn after it)."""
     if not chat_messages:
         raise bad_request("messages must not be empty", "messages")
-    ids = chat_prompt_ids(chat_messages, False, tokenizer)
+    ids = chat_prompt_ids(chat_messages, False, tokenizer, tools=tools)
     text = tokenizer.decode(ids, skip_special_tokens=False)
     final = chat_messages[-1].text().strip()
     end = text.rfind(final) if final else -1
@@ -180,6 +185,7 @@ def chat_prompt_ids(
     add_generation_prompt: bool,
     tokenizer: Tokenizer,
     add_special_tokens: bool = False,
+    tools: Any = None,
 ) -> list[int]:
     """Token ids of ``chat_messages`` after the chat template."""
     if not chat_messages:
@@ -189,12 +195,22 @@ def chat_prompt_ids(
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.name is not None:
             entry["name"] = message.name
-        messages.append(entry)
+        messages.append(entry | message_for_template(message))
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def request_constraint(req: SamplingRequest) -> Constraint | None:
+    """The structured-output constraint of ``req`` (None without one); 400 on a bad field."""
+    if not isinstance(req, StructuredOutputFields):
+        return None
+    try:
+        return req.output_constraint()
+    except ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def _specs(
@@ -205,6 +221,7 @@ def _specs(
     logprobs: int | None,
     model: ModelInfo,
     tokenizer: Tokenizer,
+    constraint: Constraint | None = None,
 ) -> list[ChoiceSpec]:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
@@ -216,9 +233,12 @@ def _specs(
         scored = max(scored or 0, req.logprobs)  # the echoed prompt needs its logprobs
     if scored is not None:
         controls["prompt_logprobs"] = scored
+    constraint = request_constraint(req) if constraint is None else constraint
     specs = []
     for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = req.to_sampling_params(prompt_max_tokens, logprobs, **controls)
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
         for i in range(req.n):
             index = prompt_index * req.n + i
             spec_params = choice_params(params, i)
@@ -289,16 +309,30 @@ def prepare_chat(req: ChatCompletionRequest, request_id: str, model: ModelInfo, 
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_top_logprobs(req.top_logprobs, "top_logprobs")
+    plan, constraint = chat_tools(req, model)
     prompt_ids = truncate_prompt(chat_prompt(req, tokenizer), req.truncate_prompt_tokens, model.max_model_len)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, tokenizer)
+    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, tokenizer, constraint)
     prep = _prepared(req, request_id, [prompt_ids], specs)
+    prep.tool_plan = plan
     response_role = "assistant" if req.add_generation_prompt else req.messages[-1].role
     if req.echo and req.messages[-1].role == response_role:
         prep.echo_texts = [req.messages[-1].text()]
     return prep
+
+
+def chat_tools(req: ChatCompletionRequest, model: ModelInfo) -> tuple[ToolPlan | None, Constraint | None]:
+    """The tool plan and, for a forced call, its grammar (which excludes any other constraint)."""
+    try:
+        plan = plan_tools(req, model.tool_call_parser)
+        constraint = plan.constraint() if plan is not None else None
+    except ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
+    if constraint is not None and request_constraint(req) is not None:
+        raise bad_request("a forced tool call cannot be combined with response_format or guided output", "tool_choice")
+    return plan, constraint
 
 
 @dataclass
@@ -492,6 +526,7 @@ class ChatFormat:
     def __init__(self, prep: Prepared, model_name: str) -> None:
         self.prep, self.model_name, self.created = prep, model_name, int(time.time())
         self.state = _StreamState(prep)
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _chunk(
         self,
@@ -524,7 +559,9 @@ class ChatFormat:
             for spec in self.prep.specs
         ]
 
-    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | list[dict[str, Any]] | None:
+        if self.prep.tool_plan is not None:
+            return self._tool_chunks(delta, self.prep.tool_plan)
         first = self.state.first(delta)
         echo = self.state.echo(delta.index) if first else ""
         if not (delta.text or delta.logprobs or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
@@ -539,19 +576,50 @@ class ChatFormat:
         scores = self.state.prompt_scores(delta.prompt_logprobs) if first else None
         return self._chunk([choice], self.state.running_usage(), prompt_logprobs=scores)
 
+    def _tool_chunks(self, delta: ChoiceDelta, plan: ToolPlan) -> list[dict[str, Any]]:
+        stream = self._tool_streams.setdefault(delta.index, ToolCallStream(plan))
+        parts = stream.add(delta.text, delta.finish_reason is not None)
+        chunks = [
+            self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=p.content, tool_calls=p.tool_calls))], None)
+            for p in parts
+        ]  # fmt: skip
+        if delta.logprobs:
+            # The tokens' logprobs in the order generated, even while the calls are still being read.
+            logprobs = chat_logprobs(delta.logprobs)
+            chunks.append(
+                self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)], None)
+            )
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if stream.num_calls and delta.finish_reason == "stop" else delta.finish_reason
+            chunks.append(
+                self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)], None)
+            )
+        return chunks
+
     def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
         return self._chunk([], usage_info)
 
+    def _message(self, result: ChoiceResult) -> tuple[ChatResponseMessage, str | None]:
+        plan = self.prep.tool_plan
+        if plan is None:
+            return ChatResponseMessage(content=result.text), result.finish_reason
+        content, calls = extract_tool_calls(plan, result.text)
+        reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        return ChatResponseMessage(content=content, tool_calls=calls or None), reason
+
     def response(self, results: list[ChoiceResult], usage_info: UsageInfo) -> dict[str, Any]:
+        messages = [self._message(r) for r in results]
         choices = [
             ChatChoice(
                 index=r.index,
-                message=ChatResponseMessage(content=self.state.echo(r.index) + r.text),
+                message=message
+                if self.prep.tool_plan
+                else ChatResponseMessage(content=self.state.echo(r.index) + r.text),
                 logprobs=chat_logprobs(r.logprobs),
-                finish_reason=r.finish_reason,
+                finish_reason=reason,
                 token_ids=self.state.token_ids(r.token_ids),
             )
-            for r in results
+            for r, (message, reason) in zip(results, messages, strict=True)
         ]
         return ChatCompletionResponse(
             id=self.prep.request_id,

@@ -14,6 +14,7 @@ import resource
 import sys
 import time
 
+from shared import flags
 from shared.bench.workload import make_workload
 from shared.cli import add_engine_args, engine_config_from_args
 
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the hf backend")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (cleave backend)")
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv)
 
     from shared.models.config import load_model_config
 

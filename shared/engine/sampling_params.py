@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.structured.constraint import Constraint
+
 GREEDY_EPSILON = 1e-5
 
 
@@ -39,6 +41,7 @@ class SamplingParams:
     # Embedding request: pool the prompt's final hidden states ("last" or "mean"); see shared.engine.pooling.
     pooling: str | None = None
     normalize: bool = True  # L2-normalize the pooled embedding
+    constraint: Constraint | None = None  # structured output: JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
