@@ -4,7 +4,8 @@
 (the torch path must first gather the blocks into a copy); ``paged_prefill``
 applies causality per key block and shares K/V rows across a GQA group, so it
 needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
-one memcpy each. The shared library is built once per
+one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
+one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
 source and compiler flags. Without a compiler, or with ``CLEAVE_CPU_KERNELS=0``,
 ``load()`` returns None and callers keep the torch path.
@@ -95,6 +96,10 @@ def load() -> ctypes.CDLL | None:
     fn = lib.write_kv_f32
     fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
     fn.restype = None
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32]
+    lib.rms_norm_f32.restype = None
+    lib.rope_f32.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr]
+    lib.rope_f32.restype = None
     _lib = lib
     return lib
 
@@ -191,3 +196,38 @@ def write_kv(
         k_cache.stride(0), k_cache.stride(1), slot_mapping.data_ptr(), key.shape[0], num_kv_heads * head_dim,
         block_size,
     )  # fmt: skip
+
+
+def _f32_rows(*tensors: torch.Tensor) -> bool:
+    """float32 CPU matrices whose rows are contiguous."""
+    return all(t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(1) == 1
+               for t in tensors)  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / sqrt(mean(x^2) + eps)`` per row of ``x`` [rows, size]; None where it does not apply."""
+    if not (_f32_rows(x) and weight.dtype == torch.float32 and weight.is_contiguous() and load() is not None):
+        return None
+    lib = load()
+    assert lib is not None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
+                     x.shape[1], eps)  # fmt: skip
+    return out
+
+
+def rope_(
+    qk: torch.Tensor,  # [num_tokens, >= num_heads_total * head_dim] float32, rows contiguous
+    num_heads_total: int,
+    cos: torch.Tensor,  # [num_tokens, head_dim] float32, contiguous
+    sin: torch.Tensor,
+) -> bool:
+    """Rotates the first ``num_heads_total`` heads of every row in place; False where it does not apply."""
+    head_dim = cos.shape[-1]
+    fits = qk.shape[1] >= num_heads_total * head_dim and qk.shape[0] == cos.shape[0] == sin.shape[0]
+    if not (fits and _f32_rows(qk, cos, sin) and cos.is_contiguous() and sin.is_contiguous() and load() is not None):
+        return False
+    lib = load()
+    assert lib is not None
+    lib.rope_f32(qk.data_ptr(), qk.stride(0), qk.shape[0], num_heads_total, head_dim, cos.data_ptr(), sin.data_ptr())
+    return True
