@@ -130,7 +130,9 @@ def run_hf_cb(args, workload) -> dict:
 
 
 def _vllm_env(args) -> dict[str, str]:
-    env = dict(os.environ)
+    import shared
+
+    env = {k: v for k, v in os.environ.items() if shared.DEFAULTED_ENV.get(k) != v}  # vLLM keeps its own defaults
     cpus = sorted(os.sched_getaffinity(0))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_memory / 2**30))))  # GiB

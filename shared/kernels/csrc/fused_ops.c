@@ -14,10 +14,13 @@
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
 #define LANES 16
+/* Threads only for work worth a fork/join (torch's element-wise grain is similar): a decode
+ * step's rows are a few microseconds of work, less than a barrier costs on a busy machine. */
+#define PARALLEL_MIN_ELEMS (1 << 17)
 
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t out_stride,
                   int num_rows, int size, float eps) {
-#pragma omp parallel for schedule(static) if (num_rows >= 64)
+#pragma omp parallel for schedule(static) if ((int64_t)num_rows * size >= PARALLEL_MIN_ELEMS)
     for (int r = 0; r < num_rows; r++) {
         const float *row = x + (int64_t)r * x_stride;
         float partial[LANES] = {0}; /* independent lanes: vectorizes without reassociating */
@@ -47,7 +50,7 @@ static void rope_head(float *x, const float *cos, const float *sin, int half) {
  * cos/sin: [num_tokens, head_dim], each token's rows of the tables. */
 void rope_f32(float *qk, int64_t row_stride, int num_tokens, int num_heads_total, int head_dim,
               const float *cos_rows, const float *sin_rows) {
-#pragma omp parallel for schedule(static) if (num_tokens >= 64)
+#pragma omp parallel for schedule(static) if ((int64_t)num_tokens * num_heads_total * head_dim >= PARALLEL_MIN_ELEMS)
     for (int t = 0; t < num_tokens; t++) {
         const float *cos = cos_rows + (int64_t)t * head_dim, *sin = sin_rows + (int64_t)t * head_dim;
         float *row = qk + (int64_t)t * row_stride;
