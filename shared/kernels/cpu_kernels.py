@@ -86,6 +86,16 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("cpu_kernels_unavailable reason=%s %s", e, detail.decode(errors="replace")[:500])
         return None
+    try:
+        _declare(lib)
+    except AttributeError as e:  # a prebuilt library from older sources
+        logger.warning("cpu_kernels_unavailable reason=library lacks a kernel: %s", e)
+        return None
+    _lib = lib
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_f32
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, i32]
@@ -100,8 +110,6 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr]
     lib.rope_f32.restype = None
-    _lib = lib
-    return lib
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
