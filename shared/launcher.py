@@ -18,7 +18,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shared import flags
 from shared.cli import DEFAULT_MODEL_DIR, env_default
+from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 
 READY_TIMEOUT_S = 300
 
@@ -27,14 +29,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="cleave serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default=env_default("--model", DEFAULT_MODEL_DIR),
-                        help="checkpoint directory (the demo model is created there on first use if missing)")  # fmt: skip
+                        help="Hugging Face checkpoint directory, a .gguf file, or 'demo' (random weights); "
+                             "default: SmolLM2-135M-Instruct, converted on first use")  # fmt: skip
     parser.add_argument("--host", default=env_default("--host", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env_default("--port", 8000)), help="router HTTP port")
     parser.add_argument("--prefill-workers", type=int, default=int(env_default("--prefill-workers", 1)),
                         help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
-    parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
-    return parser.parse_known_args(argv)
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="no /metrics on the workers (by default each serves one on a free port, printed)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint", None),
+                        help="OTLP/gRPC collector URL: router and workers export OpenTelemetry traces (default off)")  # fmt: skip
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=["text", "json"],
+                        help="log lines of every process: text or one JSON object per line")  # fmt: skip
+    return flags.parse_known_args(parser, argv)
 
 
 class Cluster:
@@ -107,49 +115,65 @@ def wait_http_ok(url: str, proc: subprocess.Popen, timeout_s: float = READY_TIME
     raise RuntimeError(f"router not healthy at {url} after {timeout_s}s")
 
 
-def ensure_model(model: str) -> None:
-    if (Path(model) / "config.json").exists():
-        return
-    if os.path.abspath(model) != os.path.abspath(DEFAULT_MODEL_DIR):
-        raise SystemExit(f"error: {model}/config.json not found; pass --model with a Hugging Face checkpoint directory")
-    from shared.models.demo import write_demo_model
+def ensure_model(model: str) -> str:
+    """The checkpoint to serve: ``demo`` and the default are created on first use; others must exist."""
+    from shared.models.config import ModelLoadError
+    from shared.models.gguf_file import is_gguf_path
 
-    print(f"creating the demo model in {model} ...", flush=True)
-    write_demo_model(model)
+    try:
+        model = resolve_model(model)
+    except (DefaultModelError, ModelLoadError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if is_gguf_path(model):
+        if not Path(model).is_file():
+            raise SystemExit(f"error: {model}: GGUF file not found")
+        return model
+    if not (Path(model) / "config.json").exists():
+        raise SystemExit(
+            f"error: {model}/config.json not found; pass --model with a Hugging Face checkpoint directory, "
+            "a .gguf file or 'demo'"
+        )
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
     args, worker_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.decode_workers < 1:
         raise SystemExit("error: --decode-workers must be >= 1")
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     cluster = Cluster()
     # Both signals stop the cluster, also when started in the background (where SIGINT starts out ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
-        if args.metrics:
-            common += ["--metrics-port", "0"]
+        if args.no_metrics:
+            common += ["--no-metrics"]
+        shared_flags = ["--log-format", args.log_format]
+        if args.otlp_traces_endpoint:
+            shared_flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        common += shared_flags
         pending = [
             cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
         ]
         pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                       "--served-model-name", Path(args.model).name]  # fmt: skip
+                       "--served-model-name", served_model_name(args.model), *shared_flags]  # fmt: skip
         for proc in pending:
             info = cluster.wait_ready_line(proc)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
             router_args += [flag, info["grpc"]]
+            metrics = "off" if info["metrics_port"] == "-1" else f"http://{args.host}:{info['metrics_port']}/metrics"
             print(f"{proc.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "  # type: ignore[attr-defined]
-                  f"metrics_port={info['metrics_port']}", flush=True)  # fmt: skip
+                  f"metrics={metrics}", flush=True)  # fmt: skip
         router = cluster.start("services.router", router_args, "router")
         threading.Thread(target=_drain, args=(router,), daemon=True).start()
         base = f"http://{args.host}:{args.port}"
         wait_http_ok(base + "/health", router)
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{Path(args.model).name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n"
+              f"    -d '{{\"model\": \"{served_model_name(args.model)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one sentence.\"}}], \"max_tokens\": 32}}'\n"
+              f"  router metrics: {base}/metrics\n"
               "Press Ctrl-C to stop.", flush=True)  # fmt: skip
         while all(p.poll() is None for p in cluster.procs):
             time.sleep(0.5)

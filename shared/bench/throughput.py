@@ -21,9 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared import flags
 from shared.bench.vllm_offline import output_digest
 from shared.bench.workload import make_workload
 from shared.cli import add_engine_args, engine_config_from_args
+from shared.models.default_model import resolve_model
+from shared.models.gguf_file import is_gguf_path
 
 
 def _peak_rss_bytes() -> int:
@@ -76,7 +79,12 @@ def _load_hf(args):
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    path = resolve_model(args.model)
+    if is_gguf_path(path):  # transformers reads GGUF from a directory plus a file name
+        source = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype)  # fmt: skip
+    else:
+        source = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = source.to(device).eval()
     return model, device
 
 
@@ -179,13 +187,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the hf backend")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (cleave backend)")
     parser.add_argument(
-        "--vllm-python",
-        default=os.environ.get("CLEAVE_VLLM_PYTHON"),
-        help="vllm backend: the python of a separate vLLM install, e.g. /opt/vllm/bin/python",
+        "--vllm-python", help="vllm backend: the python of a separate vLLM install, e.g. /opt/vllm/bin/python"
     )
     parser.add_argument("--vllm-timeout", type=float, default=1800.0,
                         help="vllm backend: seconds to allow (its first start compiles the model)")  # fmt: skip
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv)
 
     from shared.models.config import load_model_config
 

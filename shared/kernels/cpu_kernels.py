@@ -7,8 +7,10 @@ needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
 one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
 one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
-source and compiler flags. Without a compiler, or with ``CLEAVE_CPU_KERNELS=0``,
-``load()`` returns None and callers keep the torch path.
+source and compiler flags. ``CLEAVE_CPU_KERNEL_LIB`` names a library built
+ahead of time instead (the container image builds one, so it needs no compiler).
+Without a compiler, or with ``CLEAVE_CPU_KERNELS=0``, ``load()`` returns None and
+callers keep the torch path.
 """
 
 from __future__ import annotations
@@ -76,12 +78,13 @@ def load() -> ctypes.CDLL | None:
     _tried = True
     if os.environ.get("CLEAVE_CPU_KERNELS", "1") == "0":
         return None
+    prebuilt = os.environ.get("CLEAVE_CPU_KERNEL_LIB")
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
+    if compiler is None and not prebuilt:
         logger.info("cpu_kernels_unavailable reason=no C compiler; using the torch attention path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(prebuilt or str(_build(compiler)))  # type: ignore[arg-type]
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("cpu_kernels_unavailable reason=%s %s", e, detail.decode(errors="replace")[:500])
