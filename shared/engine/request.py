@@ -23,6 +23,7 @@ class TokenSample:
     token_id: int
     logprob: float = 0.0
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +64,8 @@ class Request:
     pending_children: list[Request] = field(default_factory=list)
     # Prefill role: finish after the first token, keeping the blocks until released.
     prefill_only: bool = False
+    # With sampling_params.prompt_logprobs: the scores of prompt tokens 1.. (shared.engine.prompt_logprobs).
+    prompt_logprobs: list[TokenSample] = field(default_factory=list)
     # Structured output: the grammar matcher (xgrammar), advanced by every appended token.
     matcher: Any = None
 
