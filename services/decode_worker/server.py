@@ -7,18 +7,23 @@ import argparse
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from services.common.background import BackgroundTasks
 from services.common.convert import sampling_from_proto, token_to_proto
 from services.common.worker import WorkerBase, build_parser
 from services.common.worker import main as worker_main
 from services.kv_transfer.connector import KVTransferError
+from services.kv_transfer.engine_transport import ConnectorTransport
 from services.kv_transfer.handshake import PROTOCOL_VERSION, KVCompatibilityError
 from shared.cli import env_default
+from shared.engine.kv_connector import KVConnectorWorker, KVLoad, LoadResult, RemoteKV
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
@@ -47,6 +52,8 @@ class DecodeWorker(WorkerBase):
         super().__init__(args)
         self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.background = BackgroundTasks()  # KV releases: kept referenced, failures logged
+        self.kv_loader = KVConnectorWorker(ConnectorTransport(self.connector, self._release))
 
     def _stub(self, addr: str) -> pb_grpc.PrefillWorkerStub:
         if addr not in self._channels:
@@ -124,7 +131,7 @@ class DecodeWorker(WorkerBase):
             span.set_attribute("cleave.preemptions", req.num_preemptions)
             if admit is not None:
                 # Pulled blocks of a request cancelled before it joined the batch belong to no one else.
-                self.engine.call(lambda: self._free_if_not_joined(req))
+                self.engine.submit(lambda: core.kv_connector.free_unjoined(req), "free_unjoined")
 
     def _describe_transfer(self, span: Span, handle: pb.KVHandle, transfer: dict) -> None:
         if not span.is_recording():
@@ -138,7 +145,7 @@ class DecodeWorker(WorkerBase):
             span.set_status(Status(StatusCode.ERROR, "KV pull failed; prefill recomputed locally"))
 
     async def _remote_prefill(self, req: Request, request: pb.GenerateRequest, context):
-        """Pull the prompt's KV; returns how to admit the request and the transfer figures."""
+        """Pull the prompt's KV the local prefix cache lacks; returns how to admit the request and the figures."""
         handle = request.kv_handle
         req.append_output_token(request.first_token.token_id)
         if handle.protocol_version != PROTOCOL_VERSION or handle.compat_hash != self.peer_info.compat_hash:
@@ -148,35 +155,39 @@ class DecodeWorker(WorkerBase):
                 f"{handle.compat_hash}, this decode worker expects protocol {PROTOCOL_VERSION} hash "
                 f"{self.peer_info.compat_hash}. Start all workers with the same model, --dtype and --block-size.",
             )
-        core = self.engine.core
+        connector = self.engine.core.kv_connector
         start = time.perf_counter()
-        local_ids = None
-        pull = None
+        remote = remote_kv(handle, peer_id="")  # the peer id is known after the handshake
+        load: KVLoad | None = None
+        pending: Future[LoadResult] | None = None
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
             peer = await self._peer(handle.prefill_worker_addr)
-            local_ids = await self.engine.run(lambda: self._allocate(req, handle.num_tokens))
-            if local_ids is None:
+            remote = replace(remote, peer_id=peer)
+            load = await self.engine.run(lambda: connector.allocate(req, remote))
+            if load is None:
                 raise PullFailed("no free KV blocks for the pull")
-            pull = asyncio.get_running_loop().run_in_executor(
-                None, self.connector.pull, peer, list(handle.block_ids), local_ids[: len(handle.block_ids)]
-            )
-            stats = await asyncio.shield(pull)
+            pending = self.kv_loader.start_load(load)
+            result = await asyncio.shield(asyncio.wrap_future(pending))
         except asyncio.CancelledError:
             # The caller went away. Free the blocks (commands run in order, so after any
-            # allocation), but only once a running pull can no longer write into them.
+            # allocation), but only once a running load can no longer write into them.
             def free(_=None) -> None:
-                self.engine.call(lambda: core.kv.free(req.request_id))
+                self.engine.submit(lambda: connector.free_unjoined(req), "free_unjoined")
 
-            if pull is not None and not pull.done():
-                pull.add_done_callback(free)
+            if pending is not None:
+                pending.cancel()  # not started yet: it never will
+                pending.add_done_callback(free)
             else:
                 free()
             raise
+        except InvalidRequestError as e:
+            self.kv_loader.release_remote(remote)
+            await self.invalid(context, e)
         except (PullFailed, KVTransferError, KVCompatibilityError, grpc.aio.AioRpcError) as e:
-            if local_ids is not None:
-                await self.engine.run(lambda: core.kv.free(req.request_id))
+            if load is not None:
+                await self.engine.run(lambda: connector.free_unjoined(req))
             self.metrics.kv_failures.inc()
             if isinstance(e, KVCompatibilityError):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -184,40 +195,36 @@ class DecodeWorker(WorkerBase):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull failed: {e}")
             logger.warning("kv_pull_failed request_id=%s policy=recompute error=%s", req.request_id, e)
             self.metrics.kv_recomputes.inc()
-            asyncio.create_task(self._release(handle))
+            self.kv_loader.release_remote(remote)
             return None, {"kv_recomputed": True}
-        asyncio.create_task(self._release(handle))
-        self.metrics.observe_kv_pull(stats.num_bytes, stats.seconds, stats.num_descriptors)
-        transfer = {"kv_transfer_bytes": stats.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
-        return (lambda r: self._join(r, handle.num_tokens)), transfer
+        self.kv_loader.release_remote(remote)
+        assert load is not None
+        if load.num_blocks:
+            self.metrics.observe_kv_pull(result.num_bytes, result.seconds, result.num_descriptors)
+        logger.debug("kv_load request_id=%s local_tokens=%d remote_tokens=%d blocks=%d bytes=%d", req.request_id,
+                     load.num_local_tokens, load.num_remote_tokens, load.num_blocks, result.num_bytes)  # fmt: skip
+        transfer = {"kv_transfer_bytes": result.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
+        return (lambda r: connector.finish_load(r, load)), transfer
 
-    def _allocate(self, req: Request, num_tokens: int) -> list[int] | None:
-        """Engine thread: fresh local blocks for the prompt's pulled KV."""
-        saved = req.num_computed_tokens
-        req.num_computed_tokens = 0
-        ids = self.engine.core.kv.allocate_slots(req, num_tokens)
-        req.num_computed_tokens = saved
-        return ids
+    def _release(self, remote: RemoteKV) -> None:
+        """Event loop: tell the prefill worker its leased blocks may go (in the background; failures logged)."""
+        self.background.spawn(self._release_rpc(remote), "kv_release")
 
-    def _free_if_not_joined(self, req: Request) -> None:
-        """Engine thread: after the stream, free blocks the scheduler never took over."""
-        if req.request_id not in self.engine.core.scheduler.requests and not req.is_finished:
-            self.engine.core.kv.free(req.request_id)
-
-    def _join(self, req: Request, num_tokens: int) -> None:
-        """Engine thread: the pulled KV is in place; continue from the first token."""
-        req.num_computed_tokens = num_tokens
-        req.num_cached_tokens = 0
-        self.engine.core.kv.cache_full_blocks(req)
-        self.engine.core.scheduler.add_running(req)
-
-    async def _release(self, handle: pb.KVHandle) -> None:
+    async def _release_rpc(self, remote: RemoteKV) -> None:
         try:
-            await self._stub(handle.prefill_worker_addr).ReleaseKV(
-                pb.ReleaseKVRequest(request_id=handle.request_id), timeout=5
+            await self._stub(remote.endpoint).ReleaseKV(
+                pb.ReleaseKVRequest(request_id=remote.remote_request_id), timeout=5
             )
         except grpc.aio.AioRpcError as e:
-            logger.info("kv_release_failed request_id=%s error=%s", handle.request_id, e.code())
+            logger.info("kv_release_failed request_id=%s error=%s", remote.remote_request_id, e.code())
+
+
+def remote_kv(handle: pb.KVHandle, peer_id: str) -> RemoteKV:
+    """The engine's view of a KV handle."""
+    return RemoteKV(
+        remote_request_id=handle.request_id, peer_id=peer_id, endpoint=handle.prefill_worker_addr,
+        block_ids=tuple(handle.block_ids), num_tokens=handle.num_tokens,
+    )  # fmt: skip
 
 
 def add_servicer(worker: DecodeWorker, server) -> None:

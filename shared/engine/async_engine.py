@@ -89,6 +89,18 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
+    def submit(self, fn: Callable[[], Any], what: str) -> None:
+        """Fire and forget ``fn`` on the engine thread; an exception it raises is logged, not lost."""
+
+        def log_failure(fut: Future) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                logger.error("engine_command_failed command=%s error=%r", what, fut.exception())
+
+        try:
+            self.call(fn).add_done_callback(log_failure)
+        except EngineDeadError as e:
+            logger.warning("engine_command_dropped command=%s error=%s", what, e)
+
     async def run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
 
@@ -115,7 +127,7 @@ class AsyncEngine:
             self._streams.pop(request.request_id, None)
             if num_open:
                 ids = [request.request_id] + [f"{request.request_id}/{i}" for i in range(1, request.sampling_params.n)]
-                self.call(lambda: [self.core.abort(i) for i in ids])
+                self.submit(lambda: [self.core.abort(i) for i in ids], "abort")
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -18,6 +18,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.kv_connector import KVConnectorScheduler
 from shared.engine.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 from shared.engine.prompt_logprobs import record as record_prompt_logprobs
 from shared.engine.request import Request, TokenSample
@@ -109,6 +110,8 @@ class EngineCore:
             ),
             self.kv,
         )
+        # Remote KV (a decode worker's pulls) enters through the connector's scheduler side.
+        self.kv_connector = KVConnectorScheduler(self.kv, self.scheduler)
         self.runner = ModelRunner(
             self.model,
             self.model_config,
