@@ -26,7 +26,11 @@ class BackgroundTasks:
         return len(self._tasks)
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+        """Start ``coro`` as a task held until it ends."""
+        return self.adopt(asyncio.get_running_loop().create_task(coro, name=name))
+
+    def adopt(self, task: asyncio.Task) -> asyncio.Task:
+        """Hold a task made elsewhere, and log what it raises."""
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
@@ -39,9 +43,13 @@ class BackgroundTasks:
         if error is not None:
             logger.error("background_task_failed task=%s error=%r", task.get_name(), error, exc_info=error)
 
-    async def close(self) -> None:
-        """Cancel what still runs and wait for it to end."""
-        tasks = list(self._tasks)
-        for task in tasks:
+    async def wait(self, timeout: float) -> None:
+        """Let what runs finish, for at most ``timeout`` seconds (nothing is cancelled)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs and wait (at most ``timeout`` seconds) for it to end."""
+        for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.wait(timeout)

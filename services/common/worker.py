@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from opentelemetry.context import Context
 
+from services.common.background import BackgroundTasks
 from services.common.draining import Drain
 from services.common.http_endpoints import start_metrics_server
 from services.common.metrics import WorkerMetrics
@@ -210,15 +211,18 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
         metrics_port = metrics_server.server_port
         logger.info("metrics role=%s id=%s url=http://%s:%d/metrics", worker.role, worker.worker_id, args.host,
                     metrics_port)  # fmt: skip
-    tasks = [asyncio.create_task(worker.metrics_loop())] + worker.background_tasks()
+    # Long-running loops: held, and a loop that dies says so in the log at once.
+    tasks = BackgroundTasks()
+    tasks.spawn(worker.metrics_loop(), "metrics_loop")
+    for task in worker.background_tasks():
+        tasks.adopt(task)
     registrar = None
     if args.redis_url:
         from services.common.registry import WorkerRegistrar
 
         metrics_addr = f"{args.host}:{metrics_port}" if metrics_port >= 0 else ""
         registrar = WorkerRegistrar(args.redis_url, lambda: worker.registry_entry(metrics_addr))
-        heartbeat = asyncio.create_task(registrar.run())
-        tasks.append(heartbeat)
+        heartbeat = tasks.spawn(registrar.run(), "registry_heartbeat")
 
         async def leave_registry() -> None:  # at once when draining starts: no new work is routed here
             heartbeat.cancel()
@@ -230,7 +234,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
             from services.common.kv_events import KVEventPublisher
 
             worker.kv_events = KVEventPublisher(args.redis_url, worker.engine, worker.worker_id)
-            tasks.append(asyncio.create_task(worker.kv_events.run()))
+            tasks.spawn(worker.kv_events.run(), "kv_events")
     # One machine-readable line: launchers and tests wait for it.
     print(f"CLEAVE_READY role={worker.role} grpc={args.host}:{port} metrics_port={metrics_port} "
           f"worker_id={worker.worker_id} kv_backend={worker.connector.backend_name}", flush=True)  # fmt: skip
@@ -249,8 +253,7 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
     # Hooks registered with worker.drain.on_drain (leaving the worker registry) run first.
     await worker.drain.drain(args.drain_timeout, busy=lambda: worker.num_leased)
     logger.info("worker stopping role=%s id=%s", worker.role, worker.worker_id)
-    for t in tasks:
-        t.cancel()
+    await tasks.close()
     if worker.kv_events is not None:
         await worker.kv_events.close()
     await server.stop(grace=2)

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from services.common.background import BackgroundTasks
 from services.router.metrics import RouterMetrics
 from shared.genproto.cleave.v1 import worker_pb2, worker_pb2_grpc
 
@@ -131,7 +132,7 @@ class WorkerPool:
         self._cursor = 0
         self._refresh_lock = asyncio.Lock()
         self._last_refresh = 0.0
-        self._background: set[asyncio.Task] = set()
+        self._background = BackgroundTasks()  # best-effort aborts, releases, channel closes
 
     def __bool__(self) -> bool:
         return bool(self.workers)
@@ -220,9 +221,7 @@ class WorkerPool:
             except grpc.aio.AioRpcError as e:
                 logger.debug("%s_failed role=%s code=%s", what, self.role, e.code().name)
 
-        task = asyncio.get_running_loop().create_task(runner())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(runner(), what)
 
     def abort(self, worker: WorkerClient, request_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
         req = worker_pb2.AbortRequest(request_id=request_id)
@@ -233,8 +232,7 @@ class WorkerPool:
         self.spawn(worker.stub.ReleaseKV(req, metadata=metadata, timeout=ABORT_TIMEOUT_S), "release_kv")
 
     async def close(self) -> None:
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=ABORT_TIMEOUT_S)
+        await self._background.wait(ABORT_TIMEOUT_S)
         await asyncio.gather(*(w.channel.close() for w in self.workers))
 
 

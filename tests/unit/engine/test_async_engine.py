@@ -73,3 +73,22 @@ def test_leaving_a_stream_early_aborts_and_frees(checkpoint_factory):
         assert not engine.core.has_unfinished()
     finally:
         engine.shutdown()
+
+
+def test_fire_and_forget_command_failures_are_logged(checkpoint_factory, caplog):
+    import logging
+
+    engine = make_engine(checkpoint_factory("llama"))
+    try:
+        with caplog.at_level(logging.ERROR, logger="cleave.engine"):
+            engine.submit(lambda: 1 // 0, "broken_command")
+            ran = threading.Event()
+            engine.submit(ran.set, "later_command")  # commands run in order: the failure came first
+            assert ran.wait(30)
+            deadline = time.monotonic() + 30
+            while not any("command=broken_command" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the failing command was not logged"
+                time.sleep(0.01)
+        assert engine.error is None  # a command's error does not stop the loop
+    finally:
+        engine.shutdown()
