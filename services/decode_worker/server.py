@@ -163,11 +163,12 @@ class DecodeWorker(WorkerBase):
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
-            peer = await self._peer(handle.prefill_worker_addr)
-            remote = replace(remote, peer_id=peer)
             load = await self.engine.run(lambda: connector.allocate(req, remote))
             if load is None:
                 raise PullFailed("no free KV blocks for the pull")
+            if load.num_blocks:  # a prompt cached here whole needs no handshake either
+                peer = await self._peer(handle.prefill_worker_addr)
+                load = replace(load, remote=replace(remote, peer_id=peer))
             pending = self.kv_loader.start_load(load)
             result = await asyncio.shield(asyncio.wrap_future(pending))
         except asyncio.CancelledError:
