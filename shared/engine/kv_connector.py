@@ -80,6 +80,8 @@ class KVConnectorScheduler:
     def __init__(self, kv: KVCacheManager, scheduler: Scheduler) -> None:
         self.kv = kv
         self.scheduler = scheduler
+        # Requests whose blocks are allocated while their load runs: the owners of those blocks.
+        self.loading: dict[str, Request] = {}
 
     def get_num_new_matched_tokens(self, request: Request, remote: RemoteKV, num_computed_tokens: int) -> int:
         """Tokens the remote supplies beyond the ``num_computed_tokens`` the request holds locally."""
@@ -101,6 +103,7 @@ class KVConnectorScheduler:
         if block_ids is None:
             request.num_computed_tokens = 0
             return None
+        self.loading[request.request_id] = request
         first = len(hits)  # remote block index where the local cache stops
         return KVLoad(
             request_id=request.request_id,
@@ -125,6 +128,7 @@ class KVConnectorScheduler:
 
     def finish_load(self, request: Request, load: KVLoad) -> None:
         """The loaded KV is in place: the request joins the running batch after its remote tokens."""
+        self.loading.pop(request.request_id, None)
         request.num_computed_tokens = load.num_local_tokens + load.num_remote_tokens
         request.num_cached_tokens = load.num_local_tokens
         self.kv.cache_full_blocks(request)
@@ -132,7 +136,7 @@ class KVConnectorScheduler:
 
     def free_unjoined(self, request: Request) -> None:
         """Give back the blocks of a load whose request never joined (failed, cancelled). Idempotent."""
-        if request.request_id not in self.scheduler.requests and not request.is_finished:
+        if self.loading.pop(request.request_id, None) is not None:
             self.kv.free(request.request_id)
             request.num_computed_tokens = 0
 

@@ -48,7 +48,11 @@ def test_cold_cache_loads_every_remote_block_then_runs():
     assert load.remote_block_ids == (7, 8, 9) and load.local_block_ids == (0, 1, 2)
     assert (load.num_local_tokens, load.num_remote_tokens) == (0, 10)
     assert req.request_id not in scheduler.requests  # not runnable before the load is done
+    assert connector.loading == {"a": req}  # the owner of blocks 0, 1, 2 meanwhile
     connector.finish_load(req, load)
+    assert connector.loading == {}
+    connector.free_unjoined(req)  # joined: the scheduler owns its blocks now, nothing is freed
+    assert kv.block_ids("a") == [0, 1, 2]
     assert req.num_computed_tokens == 10 and req.num_cached_tokens == 0
     out = scheduler.schedule()
     [seq] = out.seqs
