@@ -87,6 +87,8 @@ class WorkerMetrics:
         self._advance(self.preemptions, "p", stats.num_preemptions)
         self._advance(self.prompt_tokens, "pt", stats.num_prompt_tokens_computed)
         self._advance(self.generation_tokens, "gt", stats.num_generation_tokens)
+        self._advance(self.lease_expired, "le", stats.num_leases_expired)
+        self.leased.set(stats.num_leased_requests)
 
 
 class WorkerBase:
@@ -111,7 +113,6 @@ class WorkerBase:
         Gauge(
             "cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]
         ).labels(role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name).set(1)
-        self.num_leased = 0
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info(
             "worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name
@@ -130,9 +131,10 @@ class WorkerBase:
         return pb.LoadStatsResponse(
             num_running=stats.num_running, num_waiting=stats.num_waiting, num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, kv_cache_usage=stats.kv_cache_usage,
-            num_leased_requests=self.num_leased, transfer_backend=c.backend_name,
+            num_leased_requests=stats.num_leased_requests, transfer_backend=c.backend_name,
             kv_transfer_bytes_total=c.bytes_total, kv_transfer_count=c.transfers_total,
-            kv_transfer_failures=c.failures_total,
+            kv_transfer_failures=c.failures_total, kv_ownership_error=self.engine.ownership_error,
+            num_held_blocks=stats.num_held_blocks,
         )  # fmt: skip
 
     async def Abort(self, request, context) -> pb.AbortResponse:
@@ -149,7 +151,6 @@ class WorkerBase:
         while True:
             stats = self.engine.core.stats()
             self.metrics.update(stats)
-            self.metrics.leased.set(self.num_leased)
             await asyncio.sleep(1.0)
 
 

@@ -16,6 +16,7 @@ from services.common.worker import main as worker_main
 from services.kv_transfer.connector import KVTransferError
 from services.kv_transfer.handshake import PROTOCOL_VERSION, KVCompatibilityError
 from shared.cli import env_default
+from shared.engine.kv_leases import PULL
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
@@ -118,7 +119,7 @@ class DecodeWorker(WorkerBase):
             # The caller went away. Free the blocks (commands run in order, so after any
             # allocation), but only once a running pull can no longer write into them.
             def free(_=None) -> None:
-                self.engine.call(lambda: core.kv.free(req.request_id))
+                self.engine.call(lambda: core.leases.release(req.request_id))
 
             if pull is not None and not pull.done():
                 pull.add_done_callback(free)
@@ -127,7 +128,7 @@ class DecodeWorker(WorkerBase):
             raise
         except (PullFailed, KVTransferError, KVCompatibilityError, grpc.aio.AioRpcError) as e:
             if local_ids is not None:
-                await self.engine.run(lambda: core.kv.free(req.request_id))
+                await self.engine.run(lambda: core.leases.release(req.request_id))
             self.metrics.kv_failures.inc()
             if isinstance(e, KVCompatibilityError):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -145,22 +146,24 @@ class DecodeWorker(WorkerBase):
         return (lambda r: self._join(r, handle.num_tokens)), transfer
 
     def _allocate(self, req: Request, num_tokens: int) -> list[int] | None:
-        """Engine thread: fresh local blocks for the prompt's pulled KV."""
+        """Engine thread: fresh local blocks for the prompt's pulled KV, held by a pull until the join."""
         saved = req.num_computed_tokens
         req.num_computed_tokens = 0
         ids = self.engine.core.kv.allocate_slots(req, num_tokens)
         req.num_computed_tokens = saved
+        if ids is not None:
+            self.engine.core.leases.grant(req.request_id, PULL)
         return ids
 
     def _free_if_not_joined(self, req: Request) -> None:
         """Engine thread: after the stream, free blocks the scheduler never took over."""
-        if req.request_id not in self.engine.core.scheduler.requests and not req.is_finished:
-            self.engine.core.kv.free(req.request_id)
+        self.engine.core.leases.release(req.request_id, kinds=(PULL,))
 
     def _join(self, req: Request, num_tokens: int) -> None:
         """Engine thread: the pulled KV is in place; continue from the first token."""
         req.num_computed_tokens = num_tokens
         req.num_cached_tokens = 0
+        self.engine.core.leases.hand_over(req.request_id)
         self.engine.core.kv.cache_full_blocks(req)
         self.engine.core.scheduler.add_running(req)
 

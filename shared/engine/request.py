@@ -61,6 +61,7 @@ class Request:
     pending_children: list[Request] = field(default_factory=list)
     # Prefill role: finish after the first token, keeping the blocks until released.
     prefill_only: bool = False
+    kv_lease_seconds: float = 30.0  # prefill role: how long the finished prefill's lease lasts
 
     def __post_init__(self) -> None:
         if not self.token_ids:

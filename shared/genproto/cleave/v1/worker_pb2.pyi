@@ -201,7 +201,7 @@ class LoadStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "num_leased_requests", "transfer_backend", "kv_transfer_bytes_total", "kv_transfer_count", "kv_transfer_failures")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "num_leased_requests", "transfer_backend", "kv_transfer_bytes_total", "kv_transfer_count", "kv_transfer_failures", "kv_ownership_error", "num_held_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,8 @@ class LoadStatsResponse(_message.Message):
     KV_TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_COUNT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_OWNERSHIP_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -222,4 +224,6 @@ class LoadStatsResponse(_message.Message):
     kv_transfer_bytes_total: int
     kv_transfer_count: int
     kv_transfer_failures: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_leased_requests: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., kv_transfer_bytes_total: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
+    kv_ownership_error: str
+    num_held_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_leased_requests: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., kv_transfer_bytes_total: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_ownership_error: _Optional[str] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
