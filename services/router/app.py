@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
 from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.openapi import install_openapi
 from services.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.router.serving import (
     SSE_DONE,
@@ -268,10 +269,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     """Answer every error in the OpenAI shape, and count it."""
 
-    def answer(request: Request, error: APIError) -> JSONResponse:
+    def answer(request: Request, error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         metrics.requests.labels(request.url.path, str(error.status_code)).inc()
         log_request(endpoint=request.url.path, status=error.status_code, error=repr(error.message))
-        return JSONResponse(error.body(), status_code=error.status_code)
+        return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -285,7 +286,8 @@ def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return answer(request, APIError(exc.status_code, str(exc.detail), err_type))
+        # Keeps the headers that come with the status, e.g. ``Allow`` on a 405.
+        return answer(request, APIError(exc.status_code, str(exc.detail), err_type), exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -365,4 +367,5 @@ def create_app(
     async def metrics_endpoint() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    install_openapi(app)
     return app

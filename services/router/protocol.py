@@ -11,11 +11,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+# Numeric ranges, enforced here and published in /openapi.json (the OpenAI API's where it has one).
+MAX_N = 128
+MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+NumLogprobs = Annotated[int, Field(ge=0, le=20)]
+StopString = Annotated[str, Field(min_length=1)]
+# Roles the OpenAI chat API accepts.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class APIError(Exception):
@@ -59,24 +75,30 @@ class SamplingRequest(_Request):
     """Fields common to ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -111,16 +133,19 @@ class SamplingRequest(_Request):
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of the ``index``-th of ``n`` fanned-out choices: distinct seeds keep them independent."""
+    """Params of the ``index``-th of ``n`` fanned-out choices: distinct seeds keep them independent.
+
+    ``seed + index`` wraps around within int64, so that every seed the API accepts stays valid.
+    """
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
 
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: TokenCount | None = None
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
 
@@ -130,7 +155,7 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -146,10 +171,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
 
 

@@ -9,6 +9,7 @@ All of it is pure: no I/O, no workers.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ import jinja2
 
 from services.router.generation import ChoiceDelta, ChoiceSpec, TokenInfo
 from services.router.protocol import (
+    MAX_N,
     APIError,
     ChatChoice,
     ChatCompletionChunk,
@@ -39,7 +41,6 @@ from services.router.protocol import (
 )
 from shared.tokenizer import Tokenizer
 
-MAX_N = 128
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
 MIN_LOGPROB = -9999.0
@@ -213,7 +214,10 @@ def usage(prep: Prepared, results: list[ChoiceResult]) -> UsageInfo:
 
 
 def _lp(value: float) -> float:
-    return max(value, MIN_LOGPROB)
+    """A logprob JSON can carry: NaN and -inf become ``MIN_LOGPROB`` (JSON has neither)."""
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return min(max(value, MIN_LOGPROB), 0.0)
 
 
 def completion_logprobs(infos: list[TokenInfo] | None) -> CompletionLogprobs | None:
@@ -243,7 +247,8 @@ def chat_logprobs(infos: list[TokenInfo] | None) -> ChatLogprobs | None:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    # allow_nan=False: JSON has no NaN or Infinity; a non-finite number is a bug to surface, not to send.
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
