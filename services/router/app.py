@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
+from services.router.limits import BodySizeLimit
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.openapi import install_openapi
 from services.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -218,7 +219,8 @@ async def serve_generation(
     run: RequestRun | None = None
     events: AsyncGenerator | None = None
     try:
-        prep = prepare(request_id)
+        # Off the event loop: a long prompt's chat template and tokenization must not stall other requests.
+        prep = await asyncio.to_thread(prepare, request_id)
         run = RequestRun(state, endpoint, prep)
         events = start_choices(state, run, request.headers.get("traceparent"))
         fmt = make_format(prep, state.settings.model_name)
@@ -336,14 +338,16 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         def prepare(request_id: str) -> Prepared:
-            return prepare_completion(body, request_id, state.model_info(), state.tokenizer)
+            return prepare_completion(
+                body, request_id, state.model_info(), state.tokenizer, settings.max_choices_per_request
+            )
 
         return await serve_generation(state, request, prepare, CompletionFormat, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         def prepare(request_id: str) -> Prepared:
-            return prepare_chat(body, request_id, state.model_info(), state.tokenizer)
+            return prepare_chat(body, request_id, state.model_info(), state.tokenizer, settings.max_choices_per_request)
 
         return await serve_generation(state, request, prepare, ChatFormat, "chatcmpl")
 
@@ -368,4 +372,10 @@ def create_app(
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     install_openapi(app)
+
+    def count_refused(path: str) -> None:
+        state.metrics.requests.labels(path, "413").inc()
+        log_request(endpoint=path, status=413, error="'body too large'")
+
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes, on_refused=count_refused)
     return app

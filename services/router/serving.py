@@ -42,6 +42,8 @@ from services.router.protocol import (
 from shared.tokenizer import Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_CHOICES = 256  # prompts x n of one request (--max-choices-per-request)
+PROMPT_CHARS_SLACK = 4
 # JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
 MIN_LOGPROB = -9999.0
 
@@ -101,7 +103,26 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, default: i
     return requested
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text so long that no tokenization of it fits the context.
+
+    ``len(text) / max_token_chars`` is a lower bound on its token count; the slack factor
+    keeps normalizers that shorten text (collapsing spaces) from refusing a prompt that fits.
+    """
+    min_tokens = len(text) // (tokenizer.max_token_chars * PROMPT_CHARS_SLACK)
+    if min_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, the {param} has "
+            f"{len(text)} characters, which is at least {min_tokens} tokens. Please reduce the length of the "
+            f"{param}.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def completion_prompts(
+    req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int | None = None
+) -> list[list[int]]:
     """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
     prompt = req.prompt
     items: list[str | list[int]]
@@ -114,6 +135,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
     prompts = []
     for item in items:
         if isinstance(item, str):
+            if max_model_len is not None:
+                check_text_fits(item, tokenizer, max_model_len, "prompt")
             prompts.append(tokenizer.encode(item, add_special_tokens=True))
         else:
             check_token_ids(list(item), vocab_size, "prompt")
@@ -121,7 +144,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int | None = None) -> list[int]:
     """Apply the model's chat template; the rendered text carries its own special tokens."""
     if not req.messages:
         raise bad_request("messages must not be empty", "messages")
@@ -135,6 +158,8 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    if max_model_len is not None:
+        check_text_fits(text, tokenizer, max_model_len, "messages")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -145,9 +170,16 @@ def _specs(
     max_tokens: list[int],
     logprobs: int | None,
     model: ModelInfo,
+    max_choices: int,
 ) -> list[ChoiceSpec]:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
+    if len(prompts) * req.n > max_choices:
+        raise bad_request(
+            f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} choices; this server generates at most "
+            f"{max_choices} per request (--max-choices-per-request). Send fewer prompts or a smaller n.",
+            "n",
+        )
     check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
     specs = []
     for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
@@ -158,27 +190,39 @@ def _specs(
     return specs
 
 
-def prepare_completion(req: CompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+def prepare_completion(
+    req: CompletionRequest,
+    request_id: str,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+) -> Prepared:
     check_model(req.model, model)
     if req.echo:
         raise bad_request("echo is not supported", "echo")
-    prompts = completion_prompts(req, tokenizer, model.vocab_size)
+    prompts = completion_prompts(req, tokenizer, model.vocab_size, model.max_model_len)
     max_tokens = [
         resolve_max_tokens(len(p), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, model.max_model_len) for p in prompts
     ]
-    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model)
+    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, max_choices)
     return Prepared(request_id, prompts, specs, req.stream, req.include_usage)
 
 
-def prepare_chat(req: ChatCompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+def prepare_chat(
+    req: ChatCompletionRequest,
+    request_id: str,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+) -> Prepared:
     check_model(req.model, model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt_ids = chat_prompt(req, tokenizer)
+    prompt_ids = chat_prompt(req, tokenizer, model.max_model_len)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model)
+    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, max_choices)
     return Prepared(request_id, [prompt_ids], specs, req.stream, req.include_usage)
 
 

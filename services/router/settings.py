@@ -31,6 +31,8 @@ class RouterSettings:
     health_interval_s: float = 2.0
     rpc_timeout_s: float = 600.0
     log_level: str = "info"
+    max_request_body_bytes: int = 8 << 20
+    max_choices_per_request: int = 256
 
     @property
     def model_name(self) -> str:
@@ -93,6 +95,18 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
+    add(
+        "--max-request-body-bytes",
+        "largest request body accepted; larger ones are answered 413 before they are parsed",
+        type=int,
+        default=8 << 20,
+    )
+    add(
+        "--max-choices-per-request",
+        "most choices (prompts x n) one request may ask for; more are answered 400",
+        type=int,
+        default=256,
+    )
     return parser
 
 
@@ -107,6 +121,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if args.health_interval <= 0:
         parser.error(f"--health-interval must be > 0, got {args.health_interval}")
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if args.max_choices_per_request < 1:
+        parser.error(f"--max-choices-per-request must be >= 1, got {args.max_choices_per_request}")
     prefill_workers = args.prefill_worker or _split_addrs(env.get(_env_name("--prefill-worker"), ""))
     decode_workers = args.decode_worker or _split_addrs(env.get(_env_name("--decode-worker"), ""))
     return RouterSettings(
@@ -122,4 +140,6 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
         log_level=args.log_level,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_choices_per_request=args.max_choices_per_request,
     )
