@@ -91,6 +91,17 @@ class WorkerMetrics:
         self.leased.set(stats.num_leased_requests)
 
 
+# gRPC's C core cancels calls beyond 1,000 (soft) / 3,000 (hard) not yet picked up by the
+# server's Python loop, which surfaced as CANCELLED under a wide fan-out. Requests queue in
+# the engine instead, where the scheduler bounds them; the router caps choices per request.
+MAX_PENDING_CALLS = 1 << 16
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+]
+
+
 class WorkerBase:
     """Engine + KV connector + the RPCs every role answers."""
 
@@ -156,7 +167,7 @@ class WorkerBase:
 
 async def serve(worker: WorkerBase, add_servicer) -> None:
     args = worker.args
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(worker, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
