@@ -86,7 +86,7 @@ def test_sigkill_each_process_in_turn(checkpoint_factory):
                              ("services.router", "router")):  # fmt: skip
             victim = child_pid(serve, module)
             inflight: list[list[str]] = []
-            streamer = threading.Thread(target=lambda: inflight.append(stream_chat(base, model_dir.name)))
+            streamer = threading.Thread(target=lambda out=inflight: out.append(stream_chat(base, model_dir.name)))
             streamer.start()
             time.sleep(0.2)
             os.kill(victim, signal.SIGKILL)
