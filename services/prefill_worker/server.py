@@ -82,6 +82,7 @@ class PrefillWorker(WorkerBase):
                 num_tokens=req.num_prompt_tokens,
                 lease_deadline_unix=time.time() + (hold.deadline or 0.0) - time.monotonic(),
                 compat_hash=self.peer_info.compat_hash,
+                kv_peer_id=self.connector.name,
             )  # fmt: skip
         )
         return response

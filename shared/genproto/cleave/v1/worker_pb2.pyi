@@ -57,7 +57,7 @@ class TokenOutput(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("protocol_version", "request_id", "worker_id", "prefill_worker_addr", "transfer_backend", "block_ids", "num_tokens", "lease_deadline_unix", "compat_hash")
+    __slots__ = ("protocol_version", "request_id", "worker_id", "prefill_worker_addr", "transfer_backend", "block_ids", "num_tokens", "lease_deadline_unix", "compat_hash", "kv_peer_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     request_id: str
     worker_id: str
@@ -76,7 +77,8 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_deadline_unix: float
     compat_hash: str
-    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prefill_worker_addr: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    kv_peer_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prefill_worker_addr: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., compat_hash: _Optional[str] = ..., kv_peer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
