@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.config import EngineConfig
+from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_leases import LEASE, KVLeases, ownership_problems
@@ -97,10 +97,12 @@ class EngineCore:
         self.max_model_len = min(model_len, self.num_blocks * config.block_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        default_budget = CUDA_STEP_TOKENS if self.device.type == "cuda" else CPU_STEP_TOKENS
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
