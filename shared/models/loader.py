@@ -8,6 +8,7 @@ naming the file and what was expected, so an operator can fix the directory.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -80,13 +81,36 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
             dest.copy_(handle.get_tensor(name))
 
 
+def load_gguf_weights(model: LlamaModel, path: Path) -> None:
+    """Dequantise every tensor of a GGUF file and copy it (cast to the model dtype) into place."""
+    from shared.models.gguf_file import open_gguf
+
+    wanted = dict(model.checkpoint_tensors())
+    with torch.no_grad():
+        for name, weights in open_gguf(os.path.abspath(path)).hf_tensors():
+            dest = wanted.pop(name, None)
+            if dest is None:
+                raise ModelLoadError(f"{path}: tensor {name} does not belong to this model")
+            if list(weights.shape) != list(dest.shape):
+                raise ModelLoadError(f"{path}: tensor {name} has shape {list(weights.shape)}, expected {list(dest.shape)}")  # fmt: skip
+            dest.copy_(torch.from_numpy(weights if weights.flags.writeable else weights.copy()))
+    if wanted:
+        raise ModelLoadError(f"{path}: missing tensor {sorted(wanted)[0]} ({len(wanted)} missing)")
+
+
 def load_model(
     model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Build the model described by ``config.json`` and fill it from the safetensors files."""
+    """Build the model described by ``config.json`` and fill it from the safetensors files.
+
+    ``model_dir`` may also name a ``.gguf`` file: geometry from its metadata, weights dequantised.
+    """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     model = LlamaModel(config, dtype=resolve_dtype(dtype, config), device=device)
-    load_weights(model, model_dir)
+    if str(model_dir).lower().endswith(".gguf"):
+        load_gguf_weights(model, model_dir)
+    else:
+        load_weights(model, model_dir)
     model.eval()
     return model, config
