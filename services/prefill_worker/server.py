@@ -70,7 +70,8 @@ class PrefillWorker(WorkerBase):
             self.engine.call(lambda: core.abort(req.request_id))
             raise
         if hold is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the KV lease of {req.request_id} ended before reply")
+            # Aborted or expired in the instant before the reply; the worker itself is fine.
+            await context.abort(grpc.StatusCode.ABORTED, f"the KV lease of {req.request_id} ended before the reply")
         response.kv_handle.CopyFrom(
             pb.KVHandle(
                 protocol_version=PROTOCOL_VERSION,
