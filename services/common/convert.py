@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from shared.engine.request import TokenSample
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.structured.constraint import Constraint
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -20,7 +21,23 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(p.constraint))
     return msg
+
+
+def constraint_to_proto(c: Constraint) -> pb.OutputConstraint:
+    return pb.OutputConstraint(kind=c.kind, spec=c.spec)
+
+
+def constraint_from_proto(msg: pb.SamplingParams) -> Constraint | None:
+    """Raises InvalidRequestError on an unknown kind."""
+    if not msg.HasField("constraint"):
+        return None
+    try:
+        return Constraint(msg.constraint.kind, msg.constraint.spec)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -33,6 +50,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        constraint=constraint_from_proto(msg),
     )  # fmt: skip
 
 

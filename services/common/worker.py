@@ -7,16 +7,26 @@ import asyncio
 import logging
 import os
 import signal
-import sys
+import socket
 import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 import grpc
-from prometheus_client import Counter, Gauge, start_http_server
+from opentelemetry.context import Context
 
+from services.common.draining import Drain
+from services.common.http_endpoints import start_metrics_server
+from services.common.metrics import WorkerMetrics
+from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine
-from shared.engine.sampling_params import InvalidRequestError
+from shared.engine.engine_core import RequestOutputDelta
+from shared.engine.request import Request
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.logs import LOG_FORMATS, configure_logging
+from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.worker")
 
@@ -32,63 +42,23 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--port", type=int, default=int(env_default("--port", 0)), help="gRPC port (0: pick a free one)"
     )
-    parser.add_argument("--metrics-port", type=int, default=int(env_default("--metrics-port", -1)),
-                        help="Prometheus /metrics port (0: pick one, -1: off)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=int, default=int(env_default("--metrics-port", 0)),
+                        help="Prometheus /metrics HTTP port (default 0: pick a free one, announced at start)")  # fmt: skip
+    parser.add_argument("--no-metrics", action="store_true", default=env_default("--no-metrics", "").lower() in ("1", "true"),
+                        help="serve no /metrics endpoint")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=env_default("--otlp-traces-endpoint", None),
+                        help="OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
+                        "(default: off, nothing exported)")  # fmt: skip
     parser.add_argument("--worker-id", default=env_default("--worker-id", None))
     parser.add_argument("--kv-transfer-backend", default=env_default("--kv-transfer-backend", "auto"),
                         choices=["auto", "nixl", "tcp"], help="KV block transfer backend")  # fmt: skip
     parser.add_argument("--log-level", default=env_default("--log-level", "INFO"))
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds a SIGTERM waits for in-flight requests before exiting (keep it below "
+                        "the pod's termination grace period)")  # fmt: skip
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=LOG_FORMATS,
+                        help="text (default) or json: one JSON object per log line")  # fmt: skip
     return parser
-
-
-class WorkerMetrics:
-    def __init__(self, role: str, worker_id: str) -> None:
-        labels = {"role": role, "worker_id": worker_id}
-        self.labels = labels
-        names = list(labels)
-
-        def gauge(name, doc):
-            return Gauge(name, doc, names).labels(**labels)
-
-        def counter(name, doc):
-            return Counter(name, doc, names).labels(**labels)
-
-        self.running = gauge("cleave_num_requests_running", "requests in the running batch")
-        self.waiting = gauge("cleave_num_requests_waiting", "requests waiting to be scheduled")
-        self.kv_usage = gauge("cleave_kv_cache_usage_perc", "fraction of KV blocks in use (0-1)")
-        self.free_blocks = gauge("cleave_kv_cache_free_blocks", "free or evictable KV blocks")
-        self.prefix_queries = counter("cleave_prefix_cache_queries", "blocks looked up in the prefix cache")
-        self.prefix_hits = counter("cleave_prefix_cache_hits", "blocks found in the prefix cache")
-        self.preemptions = counter("cleave_num_preemptions", "requests preempted by recompute")
-        self.prompt_tokens = counter("cleave_prompt_tokens", "prompt tokens computed")
-        self.generation_tokens = counter("cleave_generation_tokens", "tokens generated")
-        self.kv_bytes = counter("cleave_kv_transfer_bytes", "KV bytes moved between workers")
-        self.kv_seconds = counter("cleave_kv_transfer_seconds", "seconds spent pulling KV")
-        self.kv_transfers = counter("cleave_kv_transfers", "KV pulls completed")
-        self.kv_failures = counter("cleave_kv_transfer_failures", "KV pulls that failed")
-        self.kv_recomputes = counter("cleave_kv_recomputes", "requests whose prefill was recomputed locally")
-        self.lease_expired = counter("cleave_kv_lease_expired", "KV leases that expired before release")
-        self.leased = gauge("cleave_kv_leased_requests", "requests whose blocks are held for a pull")
-        self._last: dict[str, int] = {}
-
-    def _advance(self, counter, key: str, total: int) -> None:
-        delta = total - self._last.get(key, 0)
-        if delta > 0:
-            counter.inc(delta)
-        self._last[key] = total
-
-    def update(self, stats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.free_blocks.set(stats.num_free_blocks)
-        self._advance(self.prefix_queries, "q", stats.prefix_cache_queries)
-        self._advance(self.prefix_hits, "h", stats.prefix_cache_hits)
-        self._advance(self.preemptions, "p", stats.num_preemptions)
-        self._advance(self.prompt_tokens, "pt", stats.num_prompt_tokens_computed)
-        self._advance(self.generation_tokens, "gt", stats.num_generation_tokens)
-        self._advance(self.lease_expired, "le", stats.num_leases_expired)
-        self.leased.set(stats.num_leased_requests)
 
 
 # gRPC's C core cancels calls beyond 1,000 (soft) / 3,000 (hard) not yet picked up by the
@@ -120,20 +90,40 @@ class WorkerBase:
         self.connector = create_connector(
             core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host
         )
-        self.metrics = WorkerMetrics(self.role, self.worker_id)
-        Gauge(
-            "cleave_kv_transfer_backend_info", "KV transfer backend in use (value 1)", ["role", "worker_id", "backend"]
-        ).labels(role=self.role, worker_id=self.worker_id, backend=self.connector.backend_name).set(1)
+        self.metrics = WorkerMetrics(self.role, self.worker_id, block_size=core.config.block_size,
+                                     num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
+        core.on_step = self.metrics.observe_step
+        self.tracing = Tracing(f"cleave-{self.role}-worker", args.otlp_traces_endpoint)
+        self.drain = Drain()
         self.address = ""  # this worker's gRPC address, known once the port is bound
         logger.info(
             "worker role=%s id=%s kv_transfer_backend=%s", self.role, self.worker_id, self.connector.backend_name
         )
 
-    async def Health(self, request, context) -> pb.HealthResponse:
+    def unhealthy_reason(self) -> str | None:
+        """None when this worker takes work; otherwise why not (the health endpoints report it)."""
         if self.engine.error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine loop stopped: {self.engine.error}")
+            return f"engine loop stopped: {self.engine.error}"
+        if self.drain.draining:
+            return "draining: the worker is shutting down"
+        return None
+
+    async def admit(self, context) -> None:
+        """Refuse a new call while draining: UNAVAILABLE sends the router to another worker."""
+        if self.drain.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        reason = self.unhealthy_reason()
+        if reason is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         return pb.HealthResponse(status="ok", role=self.role, model=self.args.model, worker_id=self.worker_id,
                                  max_model_len=self.engine.core.max_model_len)  # fmt: skip
+
+    @property
+    def num_leased(self) -> int:
+        """Finished prefills whose blocks wait for a pull (leases live in the engine)."""
+        return self.engine.core.leases.num_leases
 
     async def LoadStats(self, request, context) -> pb.LoadStatsResponse:
         # Read without queueing behind a long engine step: plain counters, a snapshot is enough.
@@ -155,13 +145,39 @@ class WorkerBase:
     def background_tasks(self) -> list[asyncio.Task]:
         return []
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's grammar in a thread, so a slow schema never stalls the engine loop.
+
+        Raises InvalidRequestError when it does not compile; a no-op without a constraint or once cached.
+        """
+        if params.constraint is None:
+            return
+        self.metrics.structured_requests.inc()
+        loop = asyncio.get_running_loop()
+        seconds = await loop.run_in_executor(None, self.engine.core.compile_constraint, params.constraint)
+        if seconds is not None:
+            self.metrics.grammar_compiles.inc()
+            self.metrics.grammar_compile_seconds.inc(seconds)
+
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def stream(self, req: Request, admit=None) -> AsyncGenerator[RequestOutputDelta, None]:
+        """``engine.stream`` with the request's latency metrics observed on the way."""
+        tracker = self.metrics.tracker(req)
+        # aclosing: leaving early closes the engine stream at once, which aborts the request.
+        async with aclosing(self.engine.stream(req, admit)) as deltas:
+            async for delta in deltas:
+                tracker.on_delta(delta)
+                yield delta
+
+    def parent_context(self, context) -> Context:
+        """The caller's trace context from the RPC's metadata."""
+        return self.tracing.extract(context.invocation_metadata())
+
     async def metrics_loop(self) -> None:
         while True:
-            stats = self.engine.core.stats()
-            self.metrics.update(stats)
+            self.metrics.update(self.engine.core.stats(), self.num_leased)
             await asyncio.sleep(1.0)
 
 
@@ -173,32 +189,46 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
     if port == 0:
         raise SystemExit(f"cannot bind gRPC port {args.host}:{args.port}")
     await server.start()
-    worker.address = getattr(args, "advertise_addr", None) or f"{args.host}:{port}"
-    metrics_port = -1
-    if args.metrics_port >= 0:
-        metrics_server, _ = start_http_server(args.metrics_port, addr=args.host)
+    # A wildcard bind is not an address peers can dial: advertise the host name instead.
+    reachable_host = socket.gethostname() if args.host in ("", "0.0.0.0", "::") else args.host
+    worker.address = getattr(args, "advertise_addr", None) or f"{reachable_host}:{port}"
+    metrics_port = -1  # -1 in the ready line: no /metrics
+    if not args.no_metrics:
+        metrics_server = start_metrics_server(args.host, args.metrics_port, worker.unhealthy_reason,
+                                              worker.metrics.registry)  # fmt: skip
         metrics_port = metrics_server.server_port
+        logger.info("metrics role=%s id=%s url=http://%s:%d/metrics", worker.role, worker.worker_id, args.host,
+                    metrics_port)  # fmt: skip
     tasks = [asyncio.create_task(worker.metrics_loop())] + worker.background_tasks()
     # One machine-readable line: launchers and tests wait for it.
     print(f"CLEAVE_READY role={worker.role} grpc={args.host}:{port} metrics_port={metrics_port} "
           f"worker_id={worker.worker_id} kv_backend={worker.connector.backend_name}", flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            worker.drain.force()  # a second signal: stop waiting for in-flight requests
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
+    logger.info("worker draining role=%s id=%s", worker.role, worker.worker_id)
+    # Hooks registered with worker.drain.on_drain (leaving the worker registry) run first.
+    await worker.drain.drain(args.drain_timeout, busy=lambda: worker.num_leased)
     logger.info("worker stopping role=%s id=%s", worker.role, worker.worker_id)
     for t in tasks:
         t.cancel()
     await server.stop(grace=2)
     worker.connector.close()
     worker.engine.shutdown()
+    worker.tracing.shutdown()
 
 
 def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[str] | None = None) -> int:
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    args = flags.parse_args(parser, argv)
+    configure_logging(args.log_level, args.log_format)
     worker = worker_cls(args)
     asyncio.run(serve(worker, add_servicer))
     return 0

@@ -7,8 +7,11 @@ import argparse
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from services.common.convert import sampling_from_proto, token_to_proto
 from services.common.worker import WorkerBase, build_parser
@@ -21,6 +24,7 @@ from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
+from shared.tracing import mark_error
 
 logger = logging.getLogger("cleave.decode")
 
@@ -86,33 +90,72 @@ class DecodeWorker(WorkerBase):
             return await attempt(await self._peer(handle, failed=peer))
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        await self.admit(context)
+        span = self.tracing.start("decode", self.parent_context(context), SpanKind.SERVER,
+                                  attributes={"cleave.request_id": request.request_id})  # fmt: skip
+        num_tokens = 0
+        try:
+            with self.drain.track():
+                async with aclosing(self._generate(request, context, span)) as messages:
+                    async for msg in messages:
+                        num_tokens += len(msg.tokens)
+                        yield msg
+        except BaseException as e:
+            if not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
+                mark_error(span, e, f"decode failed: {e}")
+            raise
+        finally:
+            span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
+            span.end()
+
+    async def _generate(self, request: pb.GenerateRequest, context, span: Span):
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)
+            await self.compile_constraint(params)
             req = await self.engine.run(
                 lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
             )
+            if request.generated_token_ids:
+                if request.HasField("kv_handle"):
+                    raise InvalidRequestError("generated_token_ids and kv_handle exclude each other")
+                await self.engine.run(lambda: core.resume(req, list(request.generated_token_ids)))
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}
         if request.HasField("kv_handle"):
-            admit, transfer = await self._remote_prefill(req, request, context)
+            with self.tracing.span("kv_transfer", trace.set_span_in_context(span)) as kv_span:
+                admit, transfer = await self._remote_prefill(req, request, context)
+                self._describe_transfer(kv_span, request.kv_handle, transfer)
         first = True
         try:
-            async for delta in self.engine.stream(req, admit):
-                msg = pb.GenerateResponse(
-                    tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
-                    num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
-                )  # fmt: skip
-                if first:
-                    first = False
-                    for key, value in transfer.items():
-                        setattr(msg, key, value)
-                yield msg
+            async with aclosing(self.stream(req, admit)) as deltas:
+                async for delta in deltas:
+                    msg = pb.GenerateResponse(
+                        tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
+                        num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+                    )  # fmt: skip
+                    if first:
+                        first = False
+                        for key, value in transfer.items():
+                            setattr(msg, key, value)
+                    yield msg
         finally:
+            span.set_attribute("cleave.preemptions", req.num_preemptions)
             if admit is not None:
                 # Pulled blocks of a request cancelled before it joined the batch belong to no one else.
                 self.engine.call(lambda: self._free_if_not_joined(req))
+
+    def _describe_transfer(self, span: Span, handle: pb.KVHandle, transfer: dict) -> None:
+        if not span.is_recording():
+            return
+        span.set_attributes({
+            "cleave.kv.bytes": transfer.get("kv_transfer_bytes", 0), "cleave.kv.blocks": len(handle.block_ids),
+            "cleave.kv.backend": self.connector.backend_name, "cleave.kv.recomputed": transfer.get("kv_recomputed", False),
+            "cleave.kv.duration_seconds": transfer.get("kv_transfer_seconds", 0.0),
+        })  # fmt: skip
+        if transfer.get("kv_recomputed"):
+            span.set_status(Status(StatusCode.ERROR, "KV pull failed; prefill recomputed locally"))
 
     async def _remote_prefill(self, req: Request, request: pb.GenerateRequest, context):
         """Pull the prompt's KV; returns how to admit the request and the transfer figures."""
@@ -170,9 +213,7 @@ class DecodeWorker(WorkerBase):
             asyncio.create_task(self._release(handle))
             return None, {"kv_recomputed": True}
         asyncio.create_task(self._release(handle))
-        self.metrics.kv_bytes.inc(stats.num_bytes)
-        self.metrics.kv_seconds.inc(stats.seconds)
-        self.metrics.kv_transfers.inc()
+        self.metrics.observe_kv_pull(stats.num_bytes, stats.seconds, stats.num_descriptors)
         transfer = {"kv_transfer_bytes": stats.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
         return (lambda r: self._join(r, handle.num_tokens)), transfer
 

@@ -9,6 +9,7 @@ import logging
 import time
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from services.common.convert import sampling_from_proto, token_to_proto
 from services.common.worker import WorkerBase, build_parser
@@ -39,9 +40,16 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        await self.admit(context)
+        with self.drain.track(), self.tracing.span("prefill", self.parent_context(context), SpanKind.SERVER,
+                                                   attributes={"cleave.request_id": request.request_id}) as span:  # fmt: skip
+            return await self._prefill(request, context, span)
+
+    async def _prefill(self, request: pb.PrefillRequest, context, span: Span) -> pb.PrefillResponse:
         core = self.engine.core
         try:
             params = sampling_from_proto(request.sampling)
+            await self.compile_constraint(params)
             if params.n != 1:
                 raise InvalidRequestError("prefill handles n=1 requests; fan out n>1 before")
             req = await self.engine.run(
@@ -52,9 +60,13 @@ class PrefillWorker(WorkerBase):
         req.prefill_only = True
         req.kv_lease_seconds = self.args.kv_lease_seconds
         last = None
-        async for delta in self.engine.stream(req):
+        async for delta in self.stream(req):
             last = delta
         assert last is not None and last.finished
+        if span.is_recording():
+            queued = (req.scheduled_time or req.arrival_time) - req.arrival_time
+            span.set_attributes({"cleave.queue_time_seconds": queued, "cleave.cached_tokens": last.num_cached_tokens,
+                                 "cleave.computed_tokens": last.num_prompt_tokens - last.num_cached_tokens})  # fmt: skip
         response = pb.PrefillResponse(
             first_token=token_to_proto(last.new_samples[0]),
             num_prompt_tokens=last.num_prompt_tokens,

@@ -9,15 +9,14 @@ import uvicorn
 
 from services.router.app import create_app
 from services.router.settings import parse_settings
+from shared.logs import configure_logging
 from shared.models.config import ModelLoadError
 from shared.tokenizer import TokenizerLoadError
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True
-    )
+    configure_logging(settings.log_level, settings.log_format)
     if not settings.decode_workers:
         logging.getLogger("cleave.router").warning(
             "no --decode-worker given: every generation request will answer 503 until one is configured"
@@ -28,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router: cannot load the model: {e}", file=sys.stderr)
         return 2
     # The app logs one line per request itself; uvicorn's access log would duplicate it.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    # log_config=None: uvicorn's own lines go through the handler configured above (text or json).
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                log_config=None)  # fmt: skip
     return 0
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,9 +42,11 @@ from services.router.serving import (
     usage,
 )
 from services.router.settings import RouterSettings
-from services.router.workers import WorkerPools, call_metadata, child_traceparent
+from services.router.spans import end_request_span, start_request_span
+from services.router.workers import WorkerPools
 from shared.models.config import ModelConfig, load_model_config
 from shared.tokenizer import Tokenizer
+from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.router")
 
@@ -58,6 +62,7 @@ class RouterState:
     tokenizer: Tokenizer
     model_config: ModelConfig
     metrics: RouterMetrics
+    tracing: Tracing
     pools: WorkerPools | None = None
 
     def model_info(self) -> ModelInfo:
@@ -72,6 +77,7 @@ class RouterState:
             max_model_len=min(max_model_len, reported) if reported else max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=frozenset(eos),
+            tool_call_parser=self.settings.tool_call_parser,
         )
 
 
@@ -82,8 +88,8 @@ def log_request(**fields: object) -> None:
 class RequestRun:
     """One generation request in flight: collects choices, then records metrics and the log line."""
 
-    def __init__(self, state: RouterState, endpoint: str, prep: Prepared) -> None:
-        self.state, self.endpoint, self.prep = state, endpoint, prep
+    def __init__(self, state: RouterState, endpoint: str, prep: Prepared, span: Span) -> None:
+        self.state, self.endpoint, self.prep, self.span = state, endpoint, prep, span
         self.timer = RequestTimer(state.metrics)
         self.results = {spec.index: ChoiceResult(spec.index) for spec in prep.specs}
         self.finished = False
@@ -107,7 +113,9 @@ class RequestRun:
         ttft = self.timer.ttft_s
         log_request(
             request_id=self.prep.request_id,
+            method="POST",
             endpoint=self.endpoint,
+            model=self.state.settings.model_name,
             status=status,
             stream=self.prep.stream,
             n=len(results),
@@ -117,6 +125,8 @@ class RequestRun:
             ttft_ms="-" if ttft is None else f"{ttft * 1000:.1f}",
             latency_ms=f"{latency * 1000:.1f}",
         )
+        end_request_span(self.span, status, self.prep.num_prompt_tokens, num_generated,
+                         [str(r.finish_reason) for r in results], ttft)  # fmt: skip
 
 
 class ClientGone(Exception):
@@ -158,8 +168,9 @@ async def _sse_body(
                 break
             run.add(delta)
             delta_chunk = fmt.delta_chunk(delta)
-            if delta_chunk is not None:
-                yield sse(delta_chunk)
+            for piece in delta_chunk if isinstance(delta_chunk, list) else [delta_chunk]:
+                if piece is not None:
+                    yield sse(piece)
         if run.prep.include_usage:
             yield sse(fmt.usage_chunk(usage(run.prep, run.ordered_results())))
         done = True
@@ -184,19 +195,18 @@ async def _collect(run: RequestRun, events: AsyncIterator) -> None:
         run.add(delta)
 
 
-def start_choices(
-    state: RouterState, run: RequestRun, incoming_traceparent: str | None
-) -> AsyncGenerator[ChoiceDelta, None]:
+def start_choices(state: RouterState, run: RequestRun) -> AsyncGenerator[ChoiceDelta, None]:
     """The deltas of every choice of ``run``; nothing reaches a worker before the first ``anext``."""
     assert state.pools is not None, "worker pools start with the app"
-    traceparent = child_traceparent(incoming_traceparent)
     ctx = CallContext(
         state.pools,
-        call_metadata(traceparent, run.prep.request_id),
+        (*state.tracing.inject(run.span), ("x-request-id", run.prep.request_id)),
         state.settings.rpc_timeout_s,
         state.settings.disagg_min_prompt_tokens,
         state.metrics,
         run.timer,
+        state.tracing,
+        trace.set_span_in_context(run.span),
     )
     eos = state.model_info().eos_token_ids
 
@@ -218,11 +228,12 @@ async def serve_generation(
     headers = {"x-request-id": request_id}
     run: RequestRun | None = None
     events: AsyncGenerator | None = None
+    span = start_request_span(state.tracing, request, id_prefix, state.settings.model_name, request_id)
     try:
         # Off the event loop: a long prompt's chat template and tokenization must not stall other requests.
         prep = await asyncio.to_thread(prepare, request_id)
-        run = RequestRun(state, endpoint, prep)
-        events = start_choices(state, run, request.headers.get("traceparent"))
+        run = RequestRun(state, endpoint, prep, span)
+        events = start_choices(state, run)
         fmt = make_format(prep, state.settings.model_name)
         if prep.stream:
             # Wait for the first token before answering, so that early failures keep their status.
@@ -243,13 +254,18 @@ async def serve_generation(
             run.finish(e.status_code)
         else:
             state.metrics.requests.labels(endpoint, str(e.status_code)).inc()
-            log_request(request_id=request_id, endpoint=endpoint, status=e.status_code, error=repr(e.message))
+            log_request(request_id=request_id, method="POST", endpoint=endpoint, status=e.status_code,
+                        model=state.settings.model_name, error=repr(e.message))  # fmt: skip
+            end_request_span(span, e.status_code, 0, 0, [], None)
         return JSONResponse(e.body(), status_code=e.status_code, headers=headers)
-    except Exception:
+    except Exception as e:
         logger.exception("request_failed request_id=%s", request_id)
         error = APIError(500, "internal error in the router; see its log", "server_error")
+        span.record_exception(e)
         if run is not None:
             run.finish(500)
+        else:
+            end_request_span(span, 500, 0, 0, [], None)
         return JSONResponse(error.body(), status_code=500, headers=headers)
     finally:
         if events is not None:
@@ -311,7 +327,8 @@ def create_app(
     if tokenizer is None or model_config is None:
         loaded_tokenizer, loaded_config = load_model(settings)
         tokenizer, model_config = tokenizer or loaded_tokenizer, model_config or loaded_config
-    state = RouterState(settings, tokenizer, model_config, metrics or RouterMetrics())
+    tracing = Tracing("cleave-router", settings.otlp_traces_endpoint)
+    state = RouterState(settings, tokenizer, model_config, metrics or RouterMetrics(), tracing)
     created = int(time.time())
 
     @asynccontextmanager
@@ -330,6 +347,7 @@ def create_app(
             yield
         finally:
             await state.pools.close()
+            state.tracing.shutdown()
 
     app = FastAPI(title="Cleave router", lifespan=lifespan)
     app.state.router = state

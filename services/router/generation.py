@@ -21,13 +21,16 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
 
+from services.common.convert import constraint_to_proto
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
-from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPools
+from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
 from shared.engine.sampling_params import SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, holdback_len
+from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.router.generation")
 
@@ -54,6 +57,20 @@ class CallContext:
     disagg_min_prompt_tokens: int
     metrics: RouterMetrics
     timer: RequestTimer
+    tracing: Tracing | None = None
+    trace_parent: Context | None = None  # holds the request's span: parent of the route spans
+
+
+async def _pick(ctx: CallContext, pool: WorkerPool, tried: set[str]) -> WorkerClient:
+    """``pool.pick`` inside a ``route`` span when tracing."""
+    if ctx.tracing is None:
+        return await pool.pick(tried)
+    with ctx.tracing.span(
+        "route", ctx.trace_parent, attributes={"cleave.pool": pool.role, "cleave.policy": pool.policy}
+    ) as span:
+        worker = await pool.pick(tried)
+        span.set_attribute("cleave.worker", worker.address)
+        return worker
 
 
 @dataclass
@@ -94,6 +111,7 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
     )
 
 
@@ -120,7 +138,7 @@ async def _prefill(ctx: CallContext, spec: ChoiceSpec) -> tuple[WorkerClient, wo
     )
     while True:
         try:
-            worker = await pool.pick(tried)
+            worker = await _pick(ctx, pool, tried)
         except NoWorkerAvailable as e:
             logger.info("prefill_fallback request_id=%s reason=%r", spec.request_id, str(e))
             return None
@@ -148,7 +166,7 @@ async def _decode(
     pool, tried = ctx.pools.decode, set[str]()
     while True:
         try:
-            worker = await pool.pick(tried)
+            worker = await _pick(ctx, pool, tried)
         except NoWorkerAvailable as e:
             raise APIError(503, str(e), "service_unavailable") from None
         call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)

@@ -66,6 +66,12 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             "cleave_router_generation_tokens_total", "Generated tokens of finished requests.", registry=r
         )
+        self.routing_decisions = Counter(
+            "cleave_router_routing_decisions_total",
+            "Worker picks by pool role, routing policy and outcome (picked or no_worker).",
+            ["role", "policy", "outcome"],
+            registry=r,
+        )
         self.running = Gauge("cleave_router_requests_running", "HTTP generation requests in flight.", registry=r)
         self.worker_healthy = Gauge(
             "cleave_router_worker_healthy",

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 
+from services.router.structured import StructuredOutputFields
+from services.router.tools import ToolFields
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -142,7 +144,7 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, StructuredOutputFields):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: TokenCount | None = None
     logprobs: NumLogprobs | None = None
@@ -158,6 +160,8 @@ class ChatMessage(_Request):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # "tool" turns: which call this answers
 
     def text(self) -> str:
         """Content as one string; text parts are joined by newlines."""
@@ -169,7 +173,7 @@ class ChatMessage(_Request):
         return "\n".join(part.text or "" for part in self.content)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, StructuredOutputFields, ToolFields):
     messages: list[ChatMessage]
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
@@ -229,6 +233,14 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_tool_calls(self, handler: Any) -> dict[str, Any]:
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -250,10 +262,12 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # stream shape: each entry carries its "index"
 
     @model_serializer
     def _drop_unset(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

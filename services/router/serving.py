@@ -8,6 +8,7 @@ All of it is pure: no I/O, no workers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -39,6 +40,9 @@ from services.router.protocol import (
     bad_request,
     choice_params,
 )
+from services.router.structured import ConstraintError, StructuredOutputFields
+from services.router.tools import ToolCallStream, ToolPlan, extract_tool_calls, message_for_template, plan_tools
+from shared.structured.constraint import Constraint
 from shared.tokenizer import Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -54,6 +58,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    tool_call_parser: str | None = None
 
 
 @dataclass
@@ -65,6 +70,7 @@ class Prepared:
     specs: list[ChoiceSpec]
     stream: bool
     include_usage: bool
+    tool_plan: ToolPlan | None = None  # chat with tools: how calls come back
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -153,14 +159,25 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len:
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
         if message.name is not None:
             entry["name"] = message.name
-        messages.append(entry)
+        messages.append(entry | message_for_template(message))
+    tools = req.template_tools()
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
     if max_model_len is not None:
         check_text_fits(text, tokenizer, max_model_len, "messages")
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def request_constraint(req: SamplingRequest) -> Constraint | None:
+    """The structured-output constraint of ``req`` (None without one); 400 on a bad field."""
+    if not isinstance(req, StructuredOutputFields):
+        return None
+    try:
+        return req.output_constraint()
+    except ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
 
 
 def _specs(
@@ -170,7 +187,8 @@ def _specs(
     max_tokens: list[int],
     logprobs: int | None,
     model: ModelInfo,
-    max_choices: int,
+    constraint: Constraint | None = None,
+    max_choices: int = DEFAULT_MAX_CHOICES,
 ) -> list[ChoiceSpec]:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
@@ -181,9 +199,12 @@ def _specs(
             "n",
         )
     check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
+    constraint = request_constraint(req) if constraint is None else constraint
     specs = []
     for prompt_index, (prompt_ids, prompt_max_tokens) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = req.to_sampling_params(prompt_max_tokens, logprobs)
+        if constraint is not None:
+            params = dataclasses.replace(params, constraint=constraint)
         for i in range(req.n):
             index = prompt_index * req.n + i
             specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, choice_params(params, i)))
@@ -204,7 +225,7 @@ def prepare_completion(
     max_tokens = [
         resolve_max_tokens(len(p), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, model.max_model_len) for p in prompts
     ]
-    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, max_choices)
+    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, max_choices=max_choices)
     return Prepared(request_id, prompts, specs, req.stream, req.include_usage)
 
 
@@ -218,12 +239,25 @@ def prepare_chat(
     check_model(req.model, model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    plan, constraint = chat_tools(req, model)
     prompt_ids = chat_prompt(req, tokenizer, model.max_model_len)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, max_choices)
-    return Prepared(request_id, [prompt_ids], specs, req.stream, req.include_usage)
+    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, constraint, max_choices)
+    return Prepared(request_id, [prompt_ids], specs, req.stream, req.include_usage, plan)
+
+
+def chat_tools(req: ChatCompletionRequest, model: ModelInfo) -> tuple[ToolPlan | None, Constraint | None]:
+    """The tool plan and, for a forced call, its grammar (which excludes any other constraint)."""
+    try:
+        plan = plan_tools(req, model.tool_call_parser)
+        constraint = plan.constraint() if plan is not None else None
+    except ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
+    if constraint is not None and request_constraint(req) is not None:
+        raise bad_request("a forced tool call cannot be combined with response_format or guided output", "tool_choice")
+    return plan, constraint
 
 
 @dataclass
@@ -344,6 +378,7 @@ class ChatFormat:
 
     def __init__(self, prep: Prepared, model_name: str) -> None:
         self.prep, self.model_name, self.created = prep, model_name, int(time.time())
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _chunk(self, choices: list[ChatStreamChoice], usage_info: UsageInfo | None) -> dict[str, Any]:
         body = ChatCompletionChunk(
@@ -360,7 +395,9 @@ class ChatFormat:
             for spec in self.prep.specs
         ]
 
-    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | list[dict[str, Any]] | None:
+        if self.prep.tool_plan is not None:
+            return self._tool_chunks(delta, self.prep.tool_plan)
         if not (delta.text or delta.logprobs or delta.finish_reason):
             return None
         choice = ChatStreamChoice(
@@ -371,18 +408,47 @@ class ChatFormat:
         )
         return self._chunk([choice], None)
 
+    def _tool_chunks(self, delta: ChoiceDelta, plan: ToolPlan) -> list[dict[str, Any]]:
+        stream = self._tool_streams.setdefault(delta.index, ToolCallStream(plan))
+        parts = stream.add(delta.text, delta.finish_reason is not None)
+        chunks = [
+            self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=p.content, tool_calls=p.tool_calls))], None)
+            for p in parts
+        ]  # fmt: skip
+        if delta.logprobs:
+            # The tokens' logprobs in the order generated, even while the calls are still being read.
+            logprobs = chat_logprobs(delta.logprobs)
+            chunks.append(
+                self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(), logprobs=logprobs)], None)
+            )
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if stream.num_calls and delta.finish_reason == "stop" else delta.finish_reason
+            chunks.append(
+                self._chunk([ChatStreamChoice(index=delta.index, delta=DeltaMessage(), finish_reason=reason)], None)
+            )
+        return chunks
+
     def usage_chunk(self, usage_info: UsageInfo) -> dict[str, Any]:
         return self._chunk([], usage_info)
 
+    def _message(self, result: ChoiceResult) -> tuple[ChatResponseMessage, str | None]:
+        plan = self.prep.tool_plan
+        if plan is None:
+            return ChatResponseMessage(content=result.text), result.finish_reason
+        content, calls = extract_tool_calls(plan, result.text)
+        reason = "tool_calls" if calls and result.finish_reason == "stop" else result.finish_reason
+        return ChatResponseMessage(content=content, tool_calls=calls or None), reason
+
     def response(self, results: list[ChoiceResult], usage_info: UsageInfo) -> dict[str, Any]:
+        messages = [self._message(r) for r in results]
         choices = [
             ChatChoice(
                 index=r.index,
-                message=ChatResponseMessage(content=r.text),
+                message=message,
                 logprobs=chat_logprobs(r.logprobs),
-                finish_reason=r.finish_reason,
+                finish_reason=reason,
             )
-            for r in results
+            for r, (message, reason) in zip(results, messages, strict=True)
         ]
         return ChatCompletionResponse(
             id=self.prep.request_id, created=self.created, model=self.model_name, choices=choices, usage=usage_info

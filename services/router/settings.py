@@ -1,8 +1,9 @@
 """Router settings: one frozen dataclass, filled from flags or ``CLEAVE_*`` env vars.
 
 Every flag ``--some-flag`` can also be set with ``CLEAVE_SOME_FLAG``; a flag on
-the command line wins over the environment. Repeatable flags (worker addresses)
-take a comma-separated list in the environment, e.g.
+the command line wins over the environment (``shared.flags``, the layer every
+command shares). Repeatable flags (worker addresses) take a comma-separated
+list in the environment, e.g.
 ``CLEAVE_DECODE_WORKER=10.0.0.5:50061,10.0.0.6:50061``.
 """
 
@@ -13,8 +14,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from shared import flags
+from shared.logs import LOG_FORMATS
+
 ROUTING_POLICIES = ("least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class RouterSettings:
     health_interval_s: float = 2.0
     rpc_timeout_s: float = 600.0
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
+    log_format: str = "text"
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls from the model's text
     max_request_body_bytes: int = 8 << 20
     max_choices_per_request: int = 256
 
@@ -40,16 +48,8 @@ class RouterSettings:
         return self.served_model_name or self.model
 
 
-def _env_name(flag: str) -> str:
-    return "CLEAVE_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _split_addrs(value: str) -> list[str]:
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    """Parser whose defaults come from ``env``; ``--help`` lists the env var of every flag."""
+    """The router's flags; ``shared.flags.parse_args`` fills their defaults from ``env``."""
     parser = argparse.ArgumentParser(
         prog="python -m services.router",
         description=(
@@ -61,12 +61,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     )
 
     def add(flag: str, help_text: str, **kwargs) -> None:
-        name = _env_name(flag)
-        # Repeatable flags resolve their env value after parsing, so that flags replace it.
-        if name in env and kwargs.get("action") != "append":
-            kwargs["default"] = kwargs.get("type", str)(env[name])
-            kwargs["required"] = False
-        parser.add_argument(flag, help=f"{help_text} [{name}]", **kwargs)
+        parser.add_argument(flag, help=help_text, **kwargs)
 
     add("--model", "model directory (Hugging Face layout: config.json, tokenizer.json) or a .gguf file", required=True)
     add("--host", "address to bind", default="127.0.0.1")
@@ -95,6 +90,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
+    add("--log-format", "text, or json for one JSON object per log line", choices=LOG_FORMATS, default="text")
+    add("--otlp-traces-endpoint", "OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
+        "(default: off, nothing exported)")  # fmt: skip
+    add(
+        "--tool-call-parser",
+        "how tool_choice 'auto' finds tool calls in the model's text: hermes (<tool_call>{json}</tool_call>, "
+        "Qwen) or llama3_json; without it, tools need tool_choice 'required', 'none' or a named function",
+        choices=TOOL_CALL_PARSERS,
+    )
     add(
         "--max-request-body-bytes",
         "largest request body accepted; larger ones are answered 413 before they are parsed",
@@ -114,7 +118,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     """Flags first, then ``CLEAVE_*`` env vars, then defaults."""
     env = os.environ if env is None else env
     parser = build_parser(env)
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv, env)
     if args.port < 0 or args.port > 65535:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -125,8 +129,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     if args.max_choices_per_request < 1:
         parser.error(f"--max-choices-per-request must be >= 1, got {args.max_choices_per_request}")
-    prefill_workers = args.prefill_worker or _split_addrs(env.get(_env_name("--prefill-worker"), ""))
-    decode_workers = args.decode_worker or _split_addrs(env.get(_env_name("--decode-worker"), ""))
+    prefill_workers = args.prefill_worker or []
+    decode_workers = args.decode_worker or []
     return RouterSettings(
         model=args.model,
         host=args.host,
@@ -140,6 +144,9 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
         log_level=args.log_level,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        log_format=args.log_format,
+        tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         max_choices_per_request=args.max_choices_per_request,
     )

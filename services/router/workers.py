@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
@@ -43,23 +41,9 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-
 
 class NoWorkerAvailable(Exception):
     """No healthy, reachable worker of a role; the HTTP edge answers 503."""
-
-
-def child_traceparent(incoming: str | None) -> str:
-    """W3C ``traceparent`` for the router's span: same trace as ``incoming`` if valid, else a new trace."""
-    match = _TRACEPARENT.match((incoming or "").strip().lower())
-    if match and match.group(1) != "ff" and set(match.group(2)) != {"0"} and set(match.group(3)) != {"0"}:
-        return f"00-{match.group(2)}-{os.urandom(8).hex()}-{match.group(4)}"
-    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"
-
-
-def call_metadata(traceparent: str, request_id: str) -> tuple[tuple[str, str], ...]:
-    return (("traceparent", traceparent), ("x-request-id", request_id))
 
 
 class WorkerClient:
@@ -176,6 +160,7 @@ class WorkerPool:
             await self.refresh(min_age_s=MIN_REFRESH_GAP_S)
             candidates = [w for w in self.healthy_workers() if w.address not in exclude]
         if not candidates:
+            self.metrics.routing_decisions.labels(self.role, self.policy, "no_worker").inc()
             if not self.workers:
                 raise NoWorkerAvailable(
                     f"no {self.role} workers are configured; start the router with --{self.role}-worker HOST:PORT"
@@ -187,6 +172,7 @@ class WorkerPool:
         start = self._cursor % len(candidates)
         self._cursor += 1
         rotated = candidates[start:] + candidates[:start]
+        self.metrics.routing_decisions.labels(self.role, self.policy, "picked").inc()
         if self.policy == "round_robin":
             return rotated[0]
         return min(rotated, key=WorkerClient.load_score)

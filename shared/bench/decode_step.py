@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, parse_bytes
 from shared.engine.engine_core import EngineCore
 from shared.engine.model_runner import kv_block_bytes
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--copy-bytes", type=parse_bytes, default=None, help="default: 1GiB on CUDA, 256MiB on CPU")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv)
     config = engine_config_from_args(args)
     core = EngineCore(config)
     device = core.device

@@ -78,7 +78,7 @@ async def one_request(
 
 def _scrape(urls: list[str]) -> dict[str, float]:
     totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0}
-    names = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_total": "seconds",
+    names = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_sum": "seconds",
              "cleave_kv_transfers_total": "transfers"}  # fmt: skip
     for url in urls:
         with urllib.request.urlopen(url, timeout=5) as resp:

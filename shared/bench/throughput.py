@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
 
+from shared import flags
 from shared.bench.workload import make_workload
 from shared.cli import add_engine_args, engine_config_from_args
+from shared.models.default_model import resolve_model
+from shared.models.gguf_file import is_gguf_path
 
 
 def _peak_rss_bytes() -> int:
@@ -64,7 +68,12 @@ def _load_hf(args):
 
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    path = resolve_model(args.model)
+    if is_gguf_path(path):  # transformers reads GGUF from a directory plus a file name
+        source = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=dtype)  # fmt: skip
+    else:
+        source = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = source.to(device).eval()
     return model, device
 
 
@@ -128,7 +137,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the hf backend")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (cleave backend)")
-    args = parser.parse_args(argv)
+    args = flags.parse_args(parser, argv)
 
     from shared.models.config import load_model_config
 

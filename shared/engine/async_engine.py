@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -113,7 +113,7 @@ class AsyncEngine:
 
     async def stream(
         self, request: Request, admit: Callable[[Request], None] | None = None
-    ) -> AsyncIterator[RequestOutputDelta]:
+    ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Admit ``request`` (default: queue it) and yield its deltas until it finishes.
 
         Leaving the iterator early (client gone, stop string) aborts the request.

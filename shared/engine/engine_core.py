@@ -7,8 +7,11 @@ caller's business, so the same core serves the offline API and the workers.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +25,7 @@ from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kernels import get_attention_backend
 from shared.models.loader import load_model
+from shared.structured.constraint import Constraint
 
 logger = logging.getLogger("cleave.engine")
 
@@ -123,6 +127,10 @@ class EngineCore:
             self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        # Called on the engine thread with each step's number of batched tokens (metrics); None: off.
+        self.on_step: Callable[[int], None] | None = None
+        self._grammar: Any = None  # GrammarBackend, made on the first constrained request
+        self._grammar_lock = threading.Lock()
         block_bytes = kv_block_bytes(self.model_config, config.block_size, dtype)
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
@@ -165,6 +173,9 @@ class EngineCore:
                 f"{self.max_model_len} tokens (including at least one generated token); shorten the prompt"
             )
         params.validate()
+        if params.constraint is not None and params.min_tokens > 0:
+            # A complete grammar allows only EOS, which min_tokens forbids: nothing could be sampled.
+            raise InvalidRequestError("min_tokens cannot be combined with a structured-output constraint")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
@@ -175,7 +186,48 @@ class EngineCore:
             self._new_request(f"{request_id}/{i}", prompt_token_ids, params, parent=request_id, index=i)
             for i in range(1, params.n)
         ]
+        if params.constraint is not None:
+            for r in [request, *request.pending_children]:
+                r.matcher = self.grammar_backend().matcher(params.constraint)
         return request
+
+    def resume(self, request: Request, generated_token_ids: list[int]) -> None:
+        """Give a fresh request the tokens it already generated elsewhere (its grammar replays them)."""
+        vocab = self.model_config.vocab_size
+        if len(generated_token_ids) >= request.max_tokens:
+            raise InvalidRequestError(f"{len(generated_token_ids)} generated tokens leave no room under max_tokens")
+        for token_id in generated_token_ids:
+            if not 0 <= token_id < vocab:
+                raise InvalidRequestError(f"generated token id {token_id} is outside the vocabulary [0, {vocab})")
+            if not request.append_output_token(token_id):
+                raise InvalidRequestError(f"generated token id {token_id} breaks the request's output constraint")
+
+    # ---- structured output ----------------------------------------------------------------
+
+    def grammar_backend(self) -> Any:
+        """The xgrammar backend of this model's tokenizer (built once; any thread)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from shared.structured.grammar import GrammarBackend
+
+                self._grammar = GrammarBackend.from_model_dir(
+                    self.config.model, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                )
+            return self._grammar
+
+    def compile_constraint(self, constraint: Constraint) -> float | None:
+        """Compile (or find cached) ``constraint``; thread-safe, so callers run it off the engine thread.
+
+        Returns the seconds compiling took, None on a cache hit. Raises InvalidRequestError with the
+        reason when the schema, regex or grammar does not compile.
+        """
+        backend = self.grammar_backend()
+        if backend.cached(constraint):
+            backend.compile(constraint)  # refresh its place in the LRU
+            return None
+        start = time.perf_counter()
+        backend.compile(constraint)
+        return time.perf_counter() - start
 
     def _new_request(self, request_id, prompt_token_ids, params, parent=None, index=0) -> Request:
         return Request(
@@ -220,6 +272,8 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         sched = self.scheduler.schedule()
         samples = self.runner.execute(sched)
+        if self.on_step is not None:
+            self.on_step(sched.num_batched_tokens)
         deltas: list[RequestOutputDelta] = []
         for seq in sched.seqs:
             if seq.start_pos < len(seq.prompt_token_ids):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Any
 
 import torch
 
@@ -65,6 +66,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
+        self._bitmask_filler: Any = None  # created on the first constrained step (imports xgrammar)
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA only, with the Triton backend: replay decode steps from CUDA graphs."""
@@ -127,7 +129,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
-        rows, params, prompts, outputs, generators = [], [], [], [], []
+        rows, params, prompts, outputs, generators, matchers = [], [], [], [], [], []
         end = 0
         for seq in sched.seqs:
             end += len(seq.token_ids)
@@ -136,6 +138,7 @@ class ModelRunner:
                 params.append(seq.sampling_params)
                 prompts.append(seq.prompt_token_ids)
                 outputs.append(seq.output_token_ids)
+                matchers.append(seq.matchers[j] if seq.matchers else None)
                 seed = seq.sampling_params.seed
                 generators.append(self._generator(sample_id, None if seed is None else seed + seq.seed_offset + j))
         if not rows:
@@ -144,8 +147,21 @@ class ModelRunner:
         batch = SamplingBatch.build(
             params, prompts, outputs, generators, self.eos_token_ids, logits.shape[-1], self.device
         )
+        if any(m is not None for m in matchers):
+            self._add_bitmask(batch, matchers, logits.shape[-1])
         out = self.sampler(logits, batch)
         return self._collect(sched, out, batch)
+
+    def _add_bitmask(self, batch: SamplingBatch, matchers: list, vocab_size: int) -> None:
+        """Structured output: masks for the rows that carry a grammar matcher, and only those."""
+        from shared.structured.grammar import BitmaskFiller
+
+        if self._bitmask_filler is None:
+            self._bitmask_filler = BitmaskFiller()
+        rows = [row for row, m in enumerate(matchers) if m is not None]
+        bitmask = self._bitmask_filler.fill(matchers, rows, vocab_size)  # [B, W], only `rows` filled
+        batch.token_bitmask = bitmask.to(self.device, non_blocking=True)
+        batch.constrained_rows = rows
 
     def _collect(self, sched: SchedulerOutput, out, batch: SamplingBatch) -> dict[str, list[TokenSample]]:
         token_ids = out.token_ids.tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.engine.prefix_hash import ROOT_HASH, block_hashes
 from shared.engine.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
+    scheduled_time: float | None = None  # monotonic time of its first schedule (ends the queue time)
     status: RequestStatus = RequestStatus.WAITING
     # Block hashes of the full blocks of token_ids, extended lazily.
     _block_hashes: list[bytes] = field(default_factory=list)
@@ -62,6 +64,8 @@ class Request:
     # Prefill role: finish after the first token, keeping the blocks until released.
     prefill_only: bool = False
     kv_lease_seconds: float = 30.0  # prefill role: how long the finished prefill's lease lasts
+    # Structured output: the grammar matcher (xgrammar), advanced by every appended token.
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -90,9 +94,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int) -> bool:
+        """Append a generated token; False if the request's grammar does not allow it."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+        if self.matcher is not None and not self.matcher.is_terminated():
+            return bool(self.matcher.accept_token(token_id))
+        return True
 
     def block_hashes(self, block_size: int) -> list[bytes]:
         """Chained hashes of every full block of ``token_ids`` (cached incrementally)."""
@@ -110,6 +118,8 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        if self.matcher is not None and self.matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return RequestStatus.FINISHED_PREFILLED if self.prefill_only else None

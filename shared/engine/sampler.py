@@ -4,6 +4,7 @@ One `SamplingBatch` is built per step from the rows that sample in it; `Sampler`
 turns the step's logits into token ids and logprobs with batched tensor ops.
 
 Order of operations on each row's logits:
+0. structured output: rows with a grammar get -inf on the tokens it forbids.
 1. min_tokens: stop/EOS logits set to -inf while the row is below `min_tokens`.
 2. penalties on the raw logits: repetition (HF), then frequency and presence (OpenAI).
 3. logprobs: `log_softmax` of the logits after steps 1-2, before temperature and
@@ -98,6 +99,9 @@ class SamplingBatch:
     min_tokens_rows: Tensor | None  # [N] int64, with min_tokens_token_ids: logits to set to -inf
     min_tokens_token_ids: Tensor | None  # [N] int64
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None if no row asks
+    # Structured output: allowed-token bitmasks, filled and applied for the constrained rows only.
+    token_bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32, on the logits' device
+    constrained_rows: list[int] | None = None  # the rows whose bitmask row is filled
 
     @classmethod
     def build(
@@ -219,6 +223,17 @@ def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | No
     return (probs / noise).argmax(dim=-1)
 
 
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Tensor:
+    """In place: -inf on the tokens whose bit is clear, in ``rows`` only (xgrammar's CPU/CUDA kernel).
+
+    ``logits`` [B, V] float32, ``bitmask`` [B, ceil(V / 32)] int32; bit t of row r set = token t allowed.
+    """
+    from xgrammar import apply_token_bitmask_inplace
+
+    apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+    return logits
+
+
 def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """min_tokens suppression, then penalties: [B, V], the distribution that logprobs report."""
     if batch.min_tokens_rows is not None:
@@ -238,6 +253,10 @@ class Sampler:
     """Turns one step's logits into tokens and logprobs; stateless."""
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.token_bitmask is not None:
+            assert batch.constrained_rows is not None
+            # The runner's logits are this step's own tensor: masking them in place is safe.
+            logits = apply_token_bitmask(logits, batch.token_bitmask, batch.constrained_rows)  # [B, V]
         logits = apply_min_tokens_and_penalties(logits, batch)  # [B, V]
         token_ids = self._sample(logits, batch)  # [B]
         top_token_ids = top_logprobs = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shared.structured.constraint import Constraint
+
 GREEDY_EPSILON = 1e-5
 INT32_MAX = 2**31 - 1
 
@@ -32,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled one
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (offline API; benchmarks)
+    constraint: Constraint | None = None  # structured output: JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

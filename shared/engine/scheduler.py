@@ -9,8 +9,10 @@ plain ``SchedulerOutput``; the model runner reads nothing else.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.engine.block_pool import KVBlock
 from shared.engine.kv_cache_manager import KVCacheManager
@@ -39,6 +41,7 @@ class ScheduledSeq:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed_offset: int = 0
+    matchers: list[Any] = field(default_factory=list)  # per sample_request_ids: grammar matcher or None
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Scheduler:
         """Join a request whose KV is already in its blocks (remote prefill)."""
         self.requests[request.request_id] = request
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         self.running.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -121,6 +126,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._emit(out, request, num_new, block_ids)
@@ -137,7 +144,8 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int, block_ids: list[int]) -> None:
         start = request.num_computed_tokens
         completes = start + num_new == request.num_tokens
-        sample_ids = [request.request_id, *(c.request_id for c in request.pending_children)] if completes else []
+        samplers = [request, *request.pending_children] if completes else []
+        sample_ids = [r.request_id for r in samplers]
         out.seqs.append(
             ScheduledSeq(
                 request_id=request.request_id,
@@ -149,6 +157,7 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=request.output_token_ids,
                 seed_offset=request.seed_offset,
+                matchers=[r.matcher for r in samplers],
             )
         )
 

@@ -3,8 +3,10 @@
 ``paged_decode`` reads K/V straight from the paged cache (the torch path must
 first gather the blocks into a copy). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
-source and compiler flags. Without a compiler, or with ``CLEAVE_CPU_KERNELS=0``,
-``load()`` returns None and callers keep the torch path.
+source and compiler flags. ``CLEAVE_CPU_KERNEL_LIB`` names a library built
+ahead of time instead (the container image builds one, so it needs no compiler).
+Without a compiler, or with ``CLEAVE_CPU_KERNELS=0``, ``load()`` returns None and
+callers keep the torch path.
 """
 
 from __future__ import annotations
@@ -72,12 +74,13 @@ def load() -> ctypes.CDLL | None:
     _tried = True
     if os.environ.get("CLEAVE_CPU_KERNELS", "1") == "0":
         return None
+    prebuilt = os.environ.get("CLEAVE_CPU_KERNEL_LIB")
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
+    if compiler is None and not prebuilt:
         logger.info("cpu_kernels_unavailable reason=no C compiler; using the torch attention path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(prebuilt or str(_build(compiler)))  # type: ignore[arg-type]
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("cpu_kernels_unavailable reason=%s %s", e, detail.decode(errors="replace")[:500])

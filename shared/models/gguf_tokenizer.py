@@ -1,11 +1,11 @@
 """The tokenizer a GGUF file describes, as ``tokenizer.json`` + ``tokenizer_config.json`` (torch-free).
 
 Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: Llama 3, Qwen2/3,
-SmolLM) are rebuilt with the ``tokenizers`` library the way transformers' GGUF
+SmolLM) and sentencepiece ones (``"llama"``: Llama 2, Mistral) are rebuilt with the ``tokenizers`` library the way transformers' GGUF
 loader rebuilds them: the vocabulary and merges from the file, control tokens
 as special added tokens, user-defined ones as plain added tokens, the split
 regex named by ``tokenizer.ggml.pre`` where it differs from GPT-2's, and BOS
-prepended only when ``tokenizer.ggml.add_bos_token`` says so.
+prepended as ``tokenizer.ggml.add_bos_token`` says (sentencepiece: yes unless it says no).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PRE_TOKENIZER_SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
 
 @lru_cache(maxsize=1)
@@ -93,13 +93,52 @@ def _backend(checkpoint: GGUFCheckpoint) -> Any:
     return tokenizer
 
 
+def _spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a sentencepiece vocabulary: every split of a piece into two pieces, best score first."""
+    merges = []
+    for piece, score in scores.items():
+        local = [
+            (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _spm_backend(checkpoint: GGUFCheckpoint) -> Any:
+    """A sentencepiece (``llama``) vocabulary as a byte-fallback BPE with a ``▁`` prefix, as transformers builds it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens: list[str] = checkpoint.field("tokenizer.ggml.tokens")
+    types: list[int] = checkpoint.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores: list[float] = checkpoint.field("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    file_merges = checkpoint.field("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ", 1)) for m in file_merges] if file_merges else _spm_merges(vocab, dict(zip(tokens, scores, strict=True)))  # fmt: skip
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+    )
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == CONTROL])  # fmt: skip
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])  # fmt: skip
+    bos_id = checkpoint.field("tokenizer.ggml.bos_token_id")
+    # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
+    if bool(checkpoint.field("tokenizer.ggml.add_bos_token", True)) and bos_id is not None:
+        bos = tokens[int(bos_id)]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, int(bos_id))]
+        )
+    return tokenizer
+
+
 def tokenizer_parts(checkpoint: GGUFCheckpoint) -> tuple[str, dict[str, Any]]:
     """(``tokenizer.json`` text, ``tokenizer_config.json`` dict incl. the chat template)."""
     model = checkpoint.field("tokenizer.ggml.model")
     if model not in SUPPORTED_TOKENIZER_MODELS:
         raise ModelLoadError(
             f"{checkpoint.path}: GGUF tokenizer model {model!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)} (byte-level BPE)"
+            f"supported: gpt2 (byte-level BPE), llama (sentencepiece)"
         )
     tokens: list[str] = checkpoint.field("tokenizer.ggml.tokens")
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -112,7 +151,8 @@ def tokenizer_parts(checkpoint: GGUFCheckpoint) -> tuple[str, dict[str, Any]]:
     template = checkpoint.field("tokenizer.chat_template")
     if template:
         config["chat_template"] = str(template)
-    return _backend(checkpoint).to_str(), config
+    backend = _spm_backend(checkpoint) if model == "llama" else _backend(checkpoint)
+    return backend.to_str(), config
 
 
 def write_tokenizer(checkpoint: GGUFCheckpoint, model_dir: Path) -> None:

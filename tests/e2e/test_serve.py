@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -55,6 +56,13 @@ def test_serve_answers_and_stops_all_children(checkpoint_factory, sig):
             model=model_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5
         )
         assert out.choices[0].finish_reason in ("length", "stop")
+        # Metrics are on by default: the summary names every worker's /metrics URL and the router's.
+        urls = [part.split("=", 1)[1] for ln in lines for part in ln.split() if part.startswith("metrics=http")]
+        urls += [ln.split()[-1] for ln in lines if "router metrics:" in ln]
+        assert len(urls) == 3, "".join(lines)
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert b"cleave_" in resp.read()
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10

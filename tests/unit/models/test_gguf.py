@@ -131,3 +131,40 @@ def test_router_side_reads_gguf_without_torch(llama_dir, tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _write_sentencepiece_gguf(path):
+    """A sentencepiece-style (``llama``) vocabulary: specials, 256 byte tokens, scored pieces, no merges."""
+    from gguf import GGUFWriter
+
+    pieces = ["\u2581", "e", "h", "l", "o", "w", "r", "d", "he", "ll", "llo", "\u2581h", "\u2581he", "\u2581hello",
+              "\u2581w", "or", "\u2581wor", "\u2581world", "ld", "\u2581t", "t", "a"]  # fmt: skip
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = _write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_dir(path)
+    hf = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["hello world", " hello  world", "hat", "héllo ✓", "</s> hello"]:
+        ids = ours.encode(text)
+        assert ids == hf(text).input_ids, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("hello")[0] == ours.bos_token_id == 1

@@ -1,0 +1,1 @@
+"""``cleave planner``: sets the prefill and decode pools' replica counts from their latency."""
