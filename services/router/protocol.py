@@ -11,26 +11,44 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+    model_validator,
+)
 
 from services.router.structured import StructuredOutputFields
 from services.router.tools import ToolFields
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+def _not_bool(value: Any) -> Any:
+    """JSON ``true``/``false`` are not numbers, though pydantic's lax mode reads them as 1/0."""
+    if isinstance(value, bool):
+        raise ValueError("a number is required, not a boolean")
+    return value
+
+
+NotBool = BeforeValidator(_not_bool)
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), NotBool]
 
 # Numeric ranges, enforced here and published in /openapi.json (the OpenAI API's where it has one).
 MAX_N = 128
 MAX_STOP_STRINGS = 4
 INT32_MAX = 2**31 - 1
-Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
-Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
-TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-NumLogprobs = Annotated[int, Field(ge=0, le=20)]
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False), NotBool]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), NotBool]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False), NotBool]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False), NotBool]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), NotBool]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX), NotBool]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), NotBool]
+NumLogprobs = Annotated[int, Field(ge=0, le=20), NotBool]
 StopString = Annotated[str, Field(min_length=1)]
 # Roles the OpenAI chat API accepts.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -77,9 +95,9 @@ class SamplingRequest(_Request):
     """Fields common to ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), NotBool] = 1
     temperature: Temperature | None = None
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), NotBool] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Int64 | None = None
     stream: bool = False
@@ -91,7 +109,7 @@ class SamplingRequest(_Request):
     top_k: TopK | None = None
     min_p: Probability | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX), NotBool] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
