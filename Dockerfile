@@ -31,7 +31,7 @@ RUN python -m venv /opt/cleave \
  && extras=$([ "$FLAVOR" = cuda ] && echo "[nixl]" || true) \
  && /opt/cleave/bin/pip install --no-cache-dir "$(ls /wheels/cleave-*.whl)${extras}"
 RUN mkdir -p /opt/cleave/lib \
- && gcc -O3 -march=${CPU_KERNEL_MARCH} -fopenmp -shared -fPIC -ffast-math shared/kernels/csrc/paged_decode.c -o /opt/cleave/lib/paged_decode.so -lm
+ && gcc -O3 -march=${CPU_KERNEL_MARCH} -fopenmp -shared -fPIC -ffast-math shared/kernels/csrc/fused_ops.c shared/kernels/csrc/paged_decode.c shared/kernels/csrc/paged_prefill.c -o /opt/cleave/lib/cpu_kernels.so -lm
 
 # ---- runtime: no compiler, non-root, read-only root filesystem friendly ----------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -46,7 +46,7 @@ ENV PATH=/opt/cleave/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
-    CLEAVE_CPU_KERNEL_LIB=/opt/cleave/lib/paged_decode.so
+    CLEAVE_CPU_KERNEL_LIB=/opt/cleave/lib/cpu_kernels.so
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000 50051 9090

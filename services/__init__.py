@@ -1,0 +1,3 @@
+"""Cleave's services. Importing ``shared`` first applies its OpenMP default before torch loads."""
+
+import shared  # noqa: F401

@@ -1,10 +1,14 @@
-"""``python -m shared.bench.decode_step``: decode step time against the memory roofline.
+"""``python -m shared.bench.decode_step``: decode step time against the memory roofline
+and against the model's linear layers alone.
 
 For each batch size, fills the engine with that many requests of
 ``--context-len`` prompt tokens, lets them reach decode, then times
 ``--steps`` pure-decode steps. The roofline is the time to read the weights
 plus the live KV cache once at the measured copy bandwidth (a device-to-device
-copy of ``--copy-bytes``, counted as read + write). Prints JSON.
+copy of ``--copy-bytes``, counted as read + write). The linear bound is the time
+the step's matrix products alone take at the same shapes (every projection of
+every layer on ``[batch, hidden]`` rows, plus the LM head), timed in the same
+run: ``step_over_linear`` is how much the rest of the step adds. Prints JSON.
 """
 
 from __future__ import annotations
@@ -42,6 +46,29 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 5) -> fl
         _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * num_bytes / best
+
+
+@torch.inference_mode()
+def linear_bound_ms(model, batch: int, steps: int) -> float:
+    """Milliseconds per step of the model's linear layers alone on ``batch`` decode rows."""
+    weights = []  # [out_features, in_features] each, in forward order
+    for layer in model.decoder_layers():
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+    weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+
+    def run() -> None:
+        for x, w in zip(inputs, weights, strict=True):
+            torch.nn.functional.linear(x, w)
+
+    run()
+    _sync(weights[0].device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    _sync(weights[0].device)
+    return (time.perf_counter() - t0) / steps * 1000
 
 
 def measure(core: EngineCore, batch: int, context_len: int, steps: int, seed: int) -> dict:
@@ -89,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(core, batch, args.context_len, args.steps, args.seed)
         kv_bytes = r["live_tokens"] * kv_per_token
         roofline_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
+        linear_ms = linear_bound_ms(core.model, batch, args.steps)
         results.append({**r, "kv_bytes": kv_bytes, "roofline_ms": roofline_ms,
-                        "step_over_roofline": r["step_ms"] / roofline_ms})  # fmt: skip
+                        "step_over_roofline": r["step_ms"] / roofline_ms, "linear_ms": linear_ms,
+                        "step_over_linear": r["step_ms"] / linear_ms})  # fmt: skip
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": core.dtype_name, "attention_backend": core.runner.attn_backend.name,

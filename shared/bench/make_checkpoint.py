@@ -22,6 +22,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    # About 12M compute parameters: big enough that the matrix work dominates on a CPU, small
+    # enough for a 2-core machine; the CPU throughput comparisons use it.
+    "llama-12m": dict(
+        hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=64, vocab_size=7168, tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    ),
     # The same architecture in miniature, to test this script on a CPU.
     "tiny-llama": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         "model.embed_tokens.weight": rand(shape["vocab_size"], h),
         "model.norm.weight": torch.ones(h, dtype=dtype),
     }
+    if not shape["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(shape["vocab_size"], h)
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({

@@ -1,9 +1,12 @@
-"""``cleave bench throughput``: offline generation throughput, Cleave vs transformers.
+"""``cleave bench throughput``: offline generation throughput, Cleave vs transformers and vLLM.
 
 Backends: ``cleave`` (this engine), ``hf`` (transformers ``generate`` in static
-batches: every batch runs until its longest request is done) and ``hf-cb``
-(transformers continuous batching). EOS is ignored so every backend produces
-exactly the requested tokens. Prints one JSON object.
+batches: every batch runs until its longest request is done), ``hf-cb``
+(transformers continuous batching) and ``vllm`` (vLLM's offline ``LLM``, run by
+the Python of a separate vLLM install given by ``--vllm-python``; vLLM is never
+a dependency of Cleave). EOS is ignored so every backend produces exactly the
+requested tokens. Prints one JSON object; ``cleave`` and ``vllm`` also report
+``output_digest``, a hash of the greedy tokens, equal when the engines agree.
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from shared import flags
+from shared.bench.vllm_offline import output_digest
 from shared.bench.workload import make_workload
 from shared.cli import add_engine_args, engine_config_from_args
 from shared.models.default_model import resolve_model
@@ -48,14 +55,18 @@ def run_cleave(args, workload) -> dict:
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False) for r in workload
     ]
+    warmup = SamplingParams(temperature=0.0, max_tokens=2, detokenize=False)
+    llm.generate([workload[0].prompt_token_ids], [warmup], use_tqdm=False)  # builds the CPU kernels once
+    utilization.clear()
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=args.progress)
     elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     stats = engine.stats()
     return {
         "elapsed_s": elapsed,
-        "output_tokens": num_out,
+        "output_tokens": sum(map(len, token_ids)),
+        "output_digest": output_digest(token_ids),
         "kv_slot_utilization": sum(utilization) / max(len(utilization), 1),
         "num_preemptions": stats.num_preemptions,
         "kv_blocks": engine.num_blocks,
@@ -126,17 +137,60 @@ def run_hf_cb(args, workload) -> dict:
     return {"elapsed_s": elapsed, "output_tokens": num_out, "kv_slot_utilization": None}
 
 
+def _vllm_env(args) -> dict[str, str]:
+    import shared
+
+    env = {k: v for k, v in os.environ.items() if shared.DEFAULTED_ENV.get(k) != v}  # vLLM keeps its own defaults
+    cpus = sorted(os.sched_getaffinity(0))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0]))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_memory / 2**30))))  # GiB
+    env.pop("PYTHONPATH", None)  # vLLM's own interpreter and packages only
+    return env
+
+
+def run_vllm(args, workload) -> dict:
+    """The same workload on vLLM, in a child process of ``--vllm-python`` (greedy, EOS ignored)."""
+    from shared.models.config import load_model_config
+
+    if not args.vllm_python:
+        raise SystemExit("--backend vllm needs --vllm-python: the python of a separate vLLM install")
+    model_config = load_model_config(args.model)
+    dtype = args.dtype if args.dtype != "auto" else (model_config.torch_dtype or "float32")
+    spec = {
+        "model": str(Path(args.model).resolve()), "dtype": "float32" if dtype == "float16" else dtype,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "max_model_len": int(args.max_model_len) if args.max_model_len else None,
+        "requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload],
+    }  # fmt: skip
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        script = Path(__file__).with_name("vllm_offline.py")
+        proc = subprocess.run([args.vllm_python, str(script), f.name], env=_vllm_env(args), capture_output=True,
+                              text=True, timeout=args.vllm_timeout)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CLEAVE_BENCH_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("CLEAVE_BENCH_RESULT ")) | {"kv_slot_utilization": None}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="cleave bench throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_engine_args(parser)
-    parser.add_argument("--backend", choices=["cleave", "hf", "hf-cb"], default="cleave")
+    parser.add_argument("--backend", choices=["cleave", "hf", "hf-cb", "vllm"], default="cleave")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of the hf backend")
     parser.add_argument("--progress", action="store_true", help="show a progress bar (cleave backend)")
+    parser.add_argument(
+        "--vllm-python", help="vllm backend: the python of a separate vLLM install, e.g. /opt/vllm/bin/python"
+    )
+    parser.add_argument("--vllm-timeout", type=float, default=1800.0,
+                        help="vllm backend: seconds to allow (its first start compiles the model)")  # fmt: skip
     args = flags.parse_args(parser, argv)
 
     from shared.models.config import load_model_config
@@ -146,7 +200,7 @@ def main(argv: list[str]) -> int:
     avoid = frozenset(t for t in specials if t is not None)
     workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
                              model_config.vocab_size, args.seed, avoid)  # fmt: skip
-    runner = {"cleave": run_cleave, "hf": run_hf, "hf-cb": run_hf_cb}[args.backend]
+    runner = {"cleave": run_cleave, "hf": run_hf, "hf-cb": run_hf_cb, "vllm": run_vllm}[args.backend]
     result = runner(args, workload)
     elapsed = result.pop("elapsed_s")
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)

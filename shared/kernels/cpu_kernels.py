@@ -1,7 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-``paged_decode`` reads K/V straight from the paged cache (the torch path must
-first gather the blocks into a copy). The shared library is built once per
+``paged_decode`` and ``paged_prefill`` read K/V straight from the paged cache
+(the torch path must first gather the blocks into a copy); ``paged_prefill``
+applies causality per key block and shares K/V rows across a GQA group, so it
+needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
+one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
+one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
 source and compiler flags. ``CLEAVE_CPU_KERNEL_LIB`` names a library built
 ahead of time instead (the container image builds one, so it needs no compiler).
@@ -25,7 +29,7 @@ import torch
 
 logger = logging.getLogger("cleave.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # -ffast-math lets the reductions vectorize and exp use glibc's vector variants; the
 # kernel never produces infinities or NaNs (scores start from -FLT_MAX), as it assumes.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffast-math"]
@@ -52,14 +56,14 @@ def _cpu_fingerprint() -> str:
 
 def _build(compiler: str) -> Path:
     described = " ".join([compiler, *FLAGS, platform.machine(), _cpu_fingerprint()])
-    key = hashlib.sha256(SOURCE.read_bytes() + described.encode()).hexdigest()
-    target = _cache_dir() / f"paged_decode-{key[:16]}.so"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + described.encode()).hexdigest()
+    target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True, capture_output=True,
                        timeout=120)  # fmt: skip
         os.replace(built, target)  # atomic: several workers may build at once
     logger.info("cpu_kernels_built path=%s", target)
@@ -85,12 +89,30 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("cpu_kernels_unavailable reason=%s %s", e, detail.decode(errors="replace")[:500])
         return None
+    try:
+        _declare(lib)
+    except AttributeError as e:  # a prebuilt library from older sources
+        logger.warning("cpu_kernels_unavailable reason=library lacks a kernel: %s", e)
+        return None
+    _lib = lib
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_f32
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, i32]
     fn.restype = ctypes.c_int
-    _lib = lib
-    return lib
+    fn = lib.paged_prefill_f32
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32]
+    fn.restype = ctypes.c_int
+    fn = lib.write_kv_f32
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
+    fn.restype = None
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32]
+    lib.rms_norm_f32.restype = None
+    lib.rope_f32.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr]
+    lib.rope_f32.restype = None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -126,3 +148,97 @@ def paged_decode(
         num_kv_heads, head_dim, block_size, scale, max(seq_lens),
     )  # fmt: skip
     return out if status == 0 else None
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided layer view
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, on the CPU
+    seq_lens: torch.Tensor,  # [num_seqs] int32, on the CPU
+    scale: float,
+) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim], or None if the kernel declined
+    """Causal attention of every sequence's new tokens (any count, decode included) over its paged context."""
+    lib = load()
+    assert lib is not None
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    status = lib.paged_prefill_f32(
+        query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+        k_cache.stride(1), block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(),
+        seq_lens.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
+    )  # fmt: skip
+    return out if status == 0 else None
+
+
+def supports_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Rows of K/V (inner two dims contiguous) going into float32 caches of the same layout."""
+    head_dim = k_cache.shape[3]
+    rows_ok = all(t.stride()[1:] == (head_dim, 1) for t in (key, value))
+    return (
+        key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and key.device.type == "cpu"
+        and rows_ok
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride()[2:] == (head_dim, 1)
+        and load() is not None
+    )
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rows may be strided
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], strided layer view
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    lib = load()
+    assert lib is not None
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    lib.write_kv_f32(
+        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), k_cache.stride(1), slot_mapping.data_ptr(), key.shape[0], num_kv_heads * head_dim,
+        block_size,
+    )  # fmt: skip
+
+
+def _f32_rows(*tensors: torch.Tensor) -> bool:
+    """float32 CPU matrices whose rows are contiguous."""
+    return all(t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(1) == 1
+               for t in tensors)  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * x / sqrt(mean(x^2) + eps)`` per row of ``x`` [rows, size]; None where it does not apply."""
+    if not (_f32_rows(x) and weight.dtype == torch.float32 and weight.is_contiguous() and load() is not None):
+        return None
+    lib = load()
+    assert lib is not None
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
+                     x.shape[1], eps)  # fmt: skip
+    return out
+
+
+def rope_(
+    qk: torch.Tensor,  # [num_tokens, >= num_heads_total * head_dim] float32, rows contiguous
+    num_heads_total: int,
+    cos: torch.Tensor,  # [num_tokens, head_dim] float32, contiguous
+    sin: torch.Tensor,
+) -> bool:
+    """Rotates the first ``num_heads_total`` heads of every row in place; False where it does not apply."""
+    head_dim = cos.shape[-1]
+    fits = qk.shape[1] >= num_heads_total * head_dim and qk.shape[0] == cos.shape[0] == sin.shape[0]
+    if not (fits and _f32_rows(qk, cos, sin) and cos.is_contiguous() and sin.is_contiguous() and load() is not None):
+        return False
+    lib = load()
+    assert lib is not None
+    lib.rope_f32(qk.data_ptr(), qk.stride(0), qk.shape[0], num_heads_total, head_dim, cos.data_ptr(), sin.data_ptr())
+    return True

@@ -186,8 +186,18 @@ def paged_attention_fast(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Same result as ``paged_attention``, faster on CPU: decode rows of any batch go
-    through a few length-sorted batched calls, prefill rows one call each."""
+    """Same result as ``paged_attention``, faster on CPU: one native kernel call where the
+    kernels build (float32), else decode rows of any batch go through a few length-sorted
+    batched calls and prefill rows one call each."""
+    if cpu_kernels.supports(query, k_cache, v_cache):
+        if meta.is_pure_decode:
+            result = cpu_kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, scale)
+        else:  # decode rows of a mixed batch go along: one call for the whole step
+            result = cpu_kernels.paged_prefill(
+                query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            )
+        if result is not None:
+            return result
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     decode = [i for i, q_len in enumerate(meta.query_lens_cpu) if q_len == 1]
@@ -227,7 +237,10 @@ class TorchAttentionBackend:
     name = "torch"
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv(key, value, k_cache, v_cache, slot_mapping)
+        if cpu_kernels.supports_write(key, value, k_cache, v_cache):
+            cpu_kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_fast(query, k_cache, v_cache, meta, scale)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.kernels import cpu_kernels
 from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig, ModelLoadError
 
@@ -92,6 +93,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and (fused := cpu_kernels.rms_norm(x, self.weight, self.eps)) is not None:
+            return fused  # float32 on the CPU: one pass
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -117,22 +120,26 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         attn_backend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        # float32 on the CPU: q and k rotate in place, in one pass (cos/sin are then [T, head_dim]).
+        rotated = self.q_norm is None and cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if not rotated:
+            q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+            k = apply_rope(k, cos.unsqueeze(1), sin.unsqueeze(1))
         k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # [num_blocks, block_size, num_kv_heads, head_dim]
         attn_backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = attn_backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
@@ -204,8 +211,8 @@ class LlamaModel(nn.Module):
         attn_backend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
-        cos = self.rope_cos[positions].to(hidden.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.rope_sin[positions].to(hidden.dtype).unsqueeze(1)  # [T, 1, head_dim]
+        cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
+        sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim]
         for layer_idx, layer in enumerate(self.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
         return self.norm(hidden)

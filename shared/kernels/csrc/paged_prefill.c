@@ -1,0 +1,223 @@
+/*
+ * Prefill / chunked-prefill attention on the CPU over the paged KV cache, and
+ * the KV write that precedes it.
+ *
+ * Each sequence's new tokens are the last q_len of its seq_len-token context;
+ * new token j sits at position seq_len - q_len + j and sees positions up to it.
+ * Causality is applied per key block (no mask is materialised), and the query
+ * heads of one KV head (a GQA group) share every K/V row read (no K/V repeat).
+ *
+ * Layouts (element strides given by the caller, float32):
+ *   q, out          [num_tokens, num_heads, head_dim], contiguous
+ *   k/v cache       a layer's view [num_blocks, block_size, num_kv_heads, head_dim];
+ *                   block_stride between blocks, rows of num_kv_heads * head_dim
+ *   block_tables    [num_seqs, bt_stride] int32
+ *   query_start_loc [num_seqs + 1] int32; seq_lens [num_seqs] int32
+ *
+ * Work item: (sequence, KV head, tile of TILE_Q new tokens). The tile's query
+ * rows (token x group head) stream over the key blocks with an online softmax.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE_Q 16
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 64
+#define MAX_ROWS (TILE_Q * MAX_GROUP)
+#define ROW_GROUP 4  /* query rows scored together: independent accumulators */
+#define KEY_CHUNK 16 /* keys scored together: one vector of floats */
+
+typedef struct {
+    int seq, kv_head, q_begin, q_end; /* q rows [q_begin, q_end) of the sequence's new tokens */
+} Item;
+
+typedef struct {
+    const float *q;
+    float *out;
+    const float *k_cache, *v_cache;
+    int64_t block_stride, row_stride;
+    const int32_t *block_tables;
+    int64_t bt_stride;
+    const int32_t *query_start_loc, *seq_lens;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Args;
+
+/* Scratch of one thread: query rows, accumulators, a transposed K block. */
+typedef struct {
+    float qs[(MAX_ROWS + ROW_GROUP) * MAX_HEAD_DIM]; /* padded: the last row group may overrun */
+    float acc[(MAX_ROWS + ROW_GROUP) * MAX_HEAD_DIM];
+    float kt[MAX_HEAD_DIM * MAX_BLOCK];
+    float m[MAX_ROWS + ROW_GROUP], l[MAX_ROWS + ROW_GROUP];
+} Scratch;
+
+/* Scores of ROW_GROUP query rows against one key block: S[i][t] = q_{r0+i} . k_t (t < padded block). */
+static void block_scores(const Scratch *w, int r0, int hd, int bsp, float S[ROW_GROUP][MAX_BLOCK]) {
+    const float *q0 = w->qs + (int64_t)r0 * hd;
+    for (int c = 0; c < bsp; c += KEY_CHUNK) {
+        float s0[KEY_CHUNK] = {0}, s1[KEY_CHUNK] = {0}, s2[KEY_CHUNK] = {0}, s3[KEY_CHUNK] = {0};
+        for (int d = 0; d < hd; d++) {
+            const float *kd = w->kt + (int64_t)d * bsp + c;
+            const float a0 = q0[d], a1 = q0[hd + d], a2 = q0[2 * hd + d], a3 = q0[3 * hd + d];
+            for (int t = 0; t < KEY_CHUNK; t++) {
+                s0[t] += a0 * kd[t];
+                s1[t] += a1 * kd[t];
+                s2[t] += a2 * kd[t];
+                s3[t] += a3 * kd[t];
+            }
+        }
+        memcpy(S[0] + c, s0, sizeof s0);
+        memcpy(S[1] + c, s1, sizeof s1);
+        memcpy(S[2] + c, s2, sizeof s2);
+        memcpy(S[3] + c, s3, sizeof s3);
+    }
+}
+
+static void block_update(const Args *a, Scratch *w, const float *v_base, int rows, int group, int first_pos,
+                         int block_start, int n, int bsp) {
+    /* Rows r = j * group + g; token j (absolute position first_pos + j) sees keys t <= first_pos + j. */
+    const int hd = a->head_dim;
+    float S[ROW_GROUP][MAX_BLOCK];
+    for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
+        const int last_row = r0 + ROW_GROUP - 1 < rows ? r0 + ROW_GROUP - 1 : rows - 1;
+        if (first_pos + last_row / group + 1 - block_start <= 0) continue; /* the whole group is masked */
+        block_scores(w, r0, hd, bsp, S);
+        int max_valid = 0;
+        for (int i = 0; i < ROW_GROUP; i++) {
+            const int r = r0 + i;
+            int valid = r < rows ? first_pos + r / group + 1 - block_start : 0;
+            valid = valid < 0 ? 0 : valid > n ? n : valid;
+            max_valid = valid > max_valid ? valid : max_valid;
+            float *p = S[i];
+            if (valid == 0) { /* masked (or padding) row: weights zero, state unchanged */
+                for (int t = 0; t < n; t++) p[t] = 0.f;
+                continue;
+            }
+            float m_new = w->m[r];
+            for (int t = 0; t < valid; t++) m_new = p[t] > m_new ? p[t] : m_new;
+            float correction = expf(w->m[r] - m_new), sum = 0.f;
+            for (int t = 0; t < valid; t++) {
+                p[t] = expf(p[t] - m_new);
+                sum += p[t];
+            }
+            for (int t = valid; t < n; t++) p[t] = 0.f;
+            w->l[r] = w->l[r] * correction + sum;
+            w->m[r] = m_new;
+            float *acc = w->acc + (int64_t)r * hd;
+            for (int d = 0; d < hd; d++) acc[d] *= correction;
+        }
+        float *acc0 = w->acc + (int64_t)r0 * hd;
+        for (int t = 0; t < max_valid; t++) {
+            const float *v = v_base + (int64_t)t * a->row_stride;
+            const float p0 = S[0][t], p1 = S[1][t], p2 = S[2][t], p3 = S[3][t];
+            for (int d = 0; d < hd; d++) {
+                const float vd = v[d];
+                acc0[d] += p0 * vd;
+                acc0[hd + d] += p1 * vd;
+                acc0[2 * hd + d] += p2 * vd;
+                acc0[3 * hd + d] += p3 * vd;
+            }
+        }
+    }
+}
+
+static void run_item(const Args *a, const Item *it, Scratch *w) {
+    const int hd = a->head_dim, bs = a->block_size, group = a->num_heads / a->num_kv_heads;
+    const int q_start = a->query_start_loc[it->seq];
+    const int q_len = a->query_start_loc[it->seq + 1] - q_start;
+    const int seq_len = a->seq_lens[it->seq];
+    const int first_pos = seq_len - q_len + it->q_begin; /* position of the tile's first token */
+    const int tile = it->q_end - it->q_begin, rows = tile * group;
+    const int32_t *table = a->block_tables + (int64_t)it->seq * a->bt_stride;
+    for (int j = 0; j < tile; j++) {
+        const float *src = a->q + ((int64_t)(q_start + it->q_begin + j) * a->num_heads + it->kv_head * group) * hd;
+        for (int i = 0; i < group * hd; i++) w->qs[(int64_t)j * group * hd + i] = src[i] * a->scale;
+    }
+    memset(w->qs + (int64_t)rows * hd, 0, sizeof(float) * ROW_GROUP * (size_t)hd);
+    for (int r = 0; r < rows + ROW_GROUP; r++) {
+        w->m[r] = -FLT_MAX;
+        w->l[r] = 0.f;
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)(rows + ROW_GROUP) * (size_t)hd);
+    const int bsp = (bs + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK; /* keys padded to whole chunks */
+    const int last_pos = first_pos + tile - 1;
+    for (int b = 0; b * bs <= last_pos; b++) {
+        const int block_start = b * bs;
+        const int n = seq_len - block_start < bs ? seq_len - block_start : bs;
+        const int64_t offset = (int64_t)table[b] * a->block_stride + (int64_t)it->kv_head * hd;
+        const float *k_base = a->k_cache + offset;
+        for (int t = 0; t < bsp; t++) { /* keys past n are padding: read as zeros */
+            const float *k = k_base + (int64_t)t * a->row_stride;
+            for (int d = 0; d < hd; d++) w->kt[(int64_t)d * bsp + t] = t < n ? k[d] : 0.f;
+        }
+        block_update(a, w, a->v_cache + offset, rows, group, first_pos, block_start, n, bsp);
+    }
+    for (int j = 0; j < tile; j++) {
+        float *dst = a->out + ((int64_t)(q_start + it->q_begin + j) * a->num_heads + it->kv_head * group) * hd;
+        for (int g = 0; g < group; g++) {
+            const int r = j * group + g;
+            const float inv = 1.f / w->l[r];
+            for (int d = 0; d < hd; d++) dst[(int64_t)g * hd + d] = w->acc[(int64_t)r * hd + d] * inv;
+        }
+    }
+}
+
+/* Returns 0 on success, 1 if the shapes are outside what this kernel handles, 2 if out of memory. */
+int paged_prefill_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
+                      const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs, int num_heads,
+                      int num_kv_heads, int head_dim, int block_size, float scale) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
+    if (num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK) return 1;
+    Args a = {q, out, k_cache, v_cache, block_stride, row_stride, block_tables, bt_stride, query_start_loc,
+              seq_lens, num_heads, num_kv_heads, head_dim, block_size, scale};
+    int64_t num_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        num_items += (int64_t)num_kv_heads * ((q_len + TILE_Q - 1) / TILE_Q);
+    }
+    Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
+    if (items == NULL) return 2;
+    int64_t k = 0;
+    /* Later tiles see more keys: list them first so the dynamic schedule ends on short ones. */
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        for (int begin = ((q_len - 1) / TILE_Q) * TILE_Q; begin >= 0 && q_len > 0; begin -= TILE_Q) {
+            for (int h = 0; h < num_kv_heads; h++) {
+                Item it = {s, h, begin, begin + TILE_Q < q_len ? begin + TILE_Q : q_len};
+                items[k++] = it;
+            }
+        }
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* Kept per thread across calls: a fresh ~600 KB malloc is an mmap and page faults every layer. */
+        static __thread Scratch *w = NULL;
+        if (w == NULL) w = malloc(sizeof(Scratch));
+        if (w == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++) {
+            if (w != NULL) run_item(&a, &items[i], w);
+        }
+    }
+    free(items);
+    return failed ? 2 : 0;
+}
+
+/* Copies each new token's K and V rows (num_kv_heads * head_dim floats) to its slot. */
+void write_kv_f32(const float *key, const float *value, int64_t key_stride, int64_t value_stride, float *k_cache,
+                  float *v_cache,
+                  int64_t block_stride, int64_t row_stride, const int64_t *slot_mapping, int num_tokens,
+                  int row_elems, int block_size) {
+    for (int i = 0; i < num_tokens; i++) {
+        int64_t slot = slot_mapping[i];
+        int64_t dst = (slot / block_size) * block_stride + (slot % block_size) * row_stride;
+        memcpy(k_cache + dst, key + (int64_t)i * key_stride, sizeof(float) * (size_t)row_elems);
+        memcpy(v_cache + dst, value + (int64_t)i * value_stride, sizeof(float) * (size_t)row_elems);
+    }
+}
