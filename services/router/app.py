@@ -284,6 +284,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), param
 
 
+GENERATION_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+
+
+def _refused_request_span(request: Request, status: int) -> None:
+    """A generation request refused before its route ran (body validation) still gets its span."""
+    state = getattr(request.app.state, "router", None)
+    prefix = GENERATION_ID_PREFIXES.get(request.url.path)
+    if state is None or prefix is None:
+        return
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    span = start_request_span(state.tracing, request, prefix, state.settings.model_name, request_id)
+    end_request_span(span, status, 0, 0, [], None)
+
+
 def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     """Answer every error in the OpenAI shape, and count it."""
 
@@ -295,6 +309,7 @@ def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        _refused_request_span(request, 400)
         return answer(request, APIError(400, message, "invalid_request_error", param))
 
     @app.exception_handler(APIError)
