@@ -23,6 +23,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from shared.tokenizer_class import apply_class_pipeline, resolve_tokenizer_class
+
 # Named special tokens a chat template may refer to (``bos_token`` etc.).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
@@ -152,6 +154,8 @@ class Tokenizer:
             raise TokenizerLoadError(f"{tokenizer_path}: cannot be loaded ({e})") from None
         config_path = model_dir / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
+        # Follow the class transformers would pick where its pipeline differs from tokenizer.json's.
+        apply_class_pipeline(backend, resolve_tokenizer_class(model_dir, config), config)
         return cls(backend, config, _load_chat_templates(model_dir, config))
 
     @classmethod
@@ -195,6 +199,10 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (transformers' ``convert_ids_to_tokens``)."""
+        return self._backend.id_to_token(token_id)
 
     # -- encode / decode ----------------------------------------------------------------------
 

@@ -23,7 +23,22 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = p.logprobs
     if p.constraint is not None:
         msg.constraint.CopyFrom(constraint_to_proto(p.constraint))
+    set_token_controls(msg, p)
     return msg
+
+
+def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
+    """Copy ``logit_bias``, ``allowed_token_ids``, bad words, prompt logprobs and pooling onto the wire message."""
+    for token_id, bias in p.logit_bias.items():
+        msg.logit_bias[token_id] = bias
+    if p.allowed_token_ids is not None:
+        msg.allowed_token_ids.token_ids.extend(p.allowed_token_ids)
+    for word in p.bad_words_token_ids:
+        msg.bad_words.add(token_ids=word)
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
+    if p.pooling is not None:
+        msg.pooling, msg.normalize = p.pooling, p.normalize
 
 
 def constraint_to_proto(c: Constraint) -> pb.OutputConstraint:
@@ -50,16 +65,24 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=list(msg.allowed_token_ids.token_ids) if msg.HasField("allowed_token_ids") else None,
+        bad_words_token_ids=[list(word.token_ids) for word in msg.bad_words],
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        pooling=msg.pooling or None, normalize=msg.normalize if msg.pooling else True,
         constraint=constraint_from_proto(msg),
     )  # fmt: skip
 
 
 def token_to_proto(sample: TokenSample) -> pb.TokenOutput:
-    return pb.TokenOutput(
+    msg = pb.TokenOutput(
         token_id=sample.token_id,
         logprob=sample.logprob,
         top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs or []],
     )
+    if sample.rank is not None:
+        msg.rank = sample.rank
+    return msg
 
 
 def token_from_proto(msg: pb.TokenOutput) -> TokenSample:

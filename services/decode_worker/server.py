@@ -123,6 +123,10 @@ class DecodeWorker(WorkerBase):
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}
+        if request.HasField("kv_handle") and params.n != 1:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "n > 1 forks after a local prefill; send n=1 with a KV handle"
+            )
         if request.HasField("kv_handle"):
             with self.tracing.span("kv_transfer", trace.set_span_in_context(span)) as kv_span:
                 admit, transfer = await self._remote_prefill(req, request, context)
@@ -134,6 +138,8 @@ class DecodeWorker(WorkerBase):
                     msg = pb.GenerateResponse(
                         tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
                         num_prompt_tokens=delta.num_prompt_tokens, num_cached_tokens=delta.num_cached_tokens,
+                        prompt_logprobs=[token_to_proto(s) for s in delta.prompt_logprobs or []],
+                        embedding=delta.embedding or [], sample_index=delta.sample_index,
                     )  # fmt: skip
                     if first:
                         first = False

@@ -71,6 +71,7 @@ class PrefillWorker(WorkerBase):
             first_token=token_to_proto(last.new_samples[0]),
             num_prompt_tokens=last.num_prompt_tokens,
             num_cached_tokens=last.num_cached_tokens,
+            prompt_logprobs=[token_to_proto(s) for s in last.prompt_logprobs or []],
         )
         if req.status != RequestStatus.FINISHED_PREFILLED:
             response.finish_reason = last.finish_reason or "stop"

@@ -24,6 +24,8 @@ from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router.embeddings import install_embeddings
+from services.router.extra_routes import install_extra_routes
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
 from services.router.limits import BodySizeLimit
 from services.router.metrics import RequestTimer, RouterMetrics
@@ -64,6 +66,7 @@ class RouterState:
     metrics: RouterMetrics
     tracing: Tracing
     pools: WorkerPools | None = None
+    in_flight: int = 0  # generation requests being answered (GET /load)
 
     def model_info(self) -> ModelInfo:
         """Context length: the configured one, lowered to the smallest any healthy worker reports."""
@@ -94,6 +97,7 @@ class RequestRun:
         self.results = {spec.index: ChoiceResult(spec.index) for spec in prep.specs}
         self.finished = False
         state.metrics.running.inc()
+        state.in_flight += 1
 
     def add(self, delta: ChoiceDelta) -> None:
         self.results[delta.index].add(delta)
@@ -107,6 +111,7 @@ class RequestRun:
         self.finished = True
         metrics, results = self.state.metrics, self.ordered_results()
         metrics.running.dec()
+        self.state.in_flight -= 1
         metrics.requests.labels(self.endpoint, str(status)).inc()
         num_generated = sum(r.num_tokens for r in results)
         latency = self.timer.finish(self.prep.num_prompt_tokens, num_generated)
@@ -213,7 +218,7 @@ def start_choices(state: RouterState, run: RequestRun) -> AsyncGenerator[ChoiceD
     def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
         return ChoiceDecoder(state.tokenizer, spec, eos)
 
-    return run_choices(ctx, run.prep.specs, make_decoder)
+    return run_choices(ctx, run.prep.worker_requests, make_decoder)
 
 
 async def serve_generation(
@@ -367,6 +372,8 @@ def create_app(
     app = FastAPI(title="Cleave router", lifespan=lifespan)
     app.state.router = state
     install_error_handlers(app, state.metrics)
+    install_extra_routes(app, state, created)
+    install_embeddings(app, state)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

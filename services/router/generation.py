@@ -15,6 +15,7 @@ consumer stops (stop string, client gone), which aborts the worker requests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 
-from services.common.convert import constraint_to_proto
+from services.common.convert import constraint_to_proto, set_token_controls
 from services.router.metrics import RequestTimer, RouterMetrics
 from services.router.protocol import APIError
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
@@ -45,6 +46,7 @@ class ChoiceSpec:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens read "token_id:N"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,17 @@ class TokenInfo:
 
 
 @dataclass
+class PromptTokenLogprob:
+    """Score of one prompt token (from the worker that computed the prompt), with its top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first
+
+
+@dataclass
 class ChoiceDelta:
     """New output of one choice: text that is safe to show, and what produced it."""
 
@@ -92,12 +105,15 @@ class ChoiceDelta:
     num_tokens: int
     logprobs: list[TokenInfo] | None = None
     finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the tokens of this delta
+    num_cached_tokens: int = 0  # prompt tokens the serving worker found in its prefix cache
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # prompt tokens 1.., on the first delta when asked
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     """Wire form of the params; stop strings stay in the router, which owns the text."""
-    return worker_pb2.SamplingParams(
-        n=1,
+    msg = worker_pb2.SamplingParams(
+        n=params.n,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -113,6 +129,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         logprobs=params.logprobs,
         constraint=None if params.constraint is None else constraint_to_proto(params.constraint),
     )
+    set_token_controls(msg, params)  # and prompt_logprobs
+    return msg
 
 
 def rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
@@ -171,6 +189,7 @@ async def _decode(
             raise APIError(503, str(e), "service_unavailable") from None
         call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
         received = finished = unreachable = False
+        num_open = max(1, request.sampling.n)  # a forked request ends when all its samples have
         with worker.track():
             try:
                 async for response in call:
@@ -179,7 +198,9 @@ async def _decode(
                         raise APIError(
                             503, f"decode worker {worker.address} aborted the request", "service_unavailable"
                         )
-                    finished = bool(response.finish_reason)
+                    if response.finish_reason:
+                        num_open -= 1
+                    finished = num_open == 0
                     yield response
                     if finished:
                         return
@@ -205,7 +226,8 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
     disaggregate = (
-        bool(ctx.pools.prefill)
+        spec.params.n == 1  # a fork prefills once on the decode worker
+        and bool(ctx.pools.prefill)
         and (spec.params.max_tokens or 0) > 1
         and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens
     )
@@ -224,9 +246,11 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
             finish_reason=first.finish_reason,
             num_prompt_tokens=first.num_prompt_tokens,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs,
         )
         if finished:
             return
+        request.sampling.ClearField("prompt_logprobs")  # the prefill worker scored the prompt
         request.first_token.CopyFrom(first.first_token)
         request.kv_handle.CopyFrom(first.kv_handle)
         async with aclosing(_decode(ctx, request)) as responses:
@@ -251,6 +275,7 @@ class ChoiceDecoder:
     num_emitted_chars: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
+    prompt_scored: bool = False
 
     def __post_init__(self) -> None:
         params = self.spec.params
@@ -264,8 +289,10 @@ class ChoiceDecoder:
         params, tokens = self.spec.params, response.tokens
         logprobs: list[TokenInfo] | None = [] if params.logprobs is not None else None
         num_new = 0
+        token_ids: list[int] = []
         for i, token in enumerate(tokens):
             num_new += 1
+            token_ids.append(token.token_id)
             self.num_tokens += 1
             if logprobs is not None:
                 logprobs.append(self._token_info(token))
@@ -295,7 +322,23 @@ class ChoiceDecoder:
         self.num_emitted_chars = max(self.num_emitted_chars, end)
         if self.finish_reason == "stop_string":
             self.finish_reason = "stop"
-        return ChoiceDelta(self.spec.index, delta_text, num_new, logprobs, self.finish_reason)
+        delta = ChoiceDelta(
+            self.spec.index, delta_text, num_new, logprobs, self.finish_reason, token_ids, response.num_cached_tokens
+        )
+        if self.spec.params.prompt_logprobs is not None and not self.prompt_scored:
+            self.prompt_scored = True
+            delta.prompt_logprobs = [self._prompt_info(t) for t in response.prompt_logprobs]
+        return delta
+
+    def _as_text(self, token_id: int) -> str:
+        """A token as logprob entries show it: its text, or ``token_id:N`` with return_tokens_as_token_ids."""
+        if self.spec.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_info(self, token: worker_pb2.TokenOutput) -> PromptTokenLogprob:
+        top = [(t.token_id, self._as_text(t.token_id), t.logprob) for t in token.top_logprobs]
+        return PromptTokenLogprob(token.token_id, self._as_text(token.token_id), token.logprob, token.rank, top)
 
     def _cut_at_stop(self, searched: int) -> bool:
         if not self.stop:
@@ -308,14 +351,30 @@ class ChoiceDecoder:
         return True
 
     def _token_info(self, token: worker_pb2.TokenOutput) -> TokenInfo:
-        def as_text(token_id: int) -> str:
-            return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-        top = [(as_text(t.token_id), t.logprob) for t in token.top_logprobs]
-        return TokenInfo(as_text(token.token_id), token.logprob, top, len(self.text))
+        top = [(self._as_text(t.token_id), t.logprob) for t in token.top_logprobs]
+        return TokenInfo(self._as_text(token.token_id), token.logprob, top, len(self.text))
 
 
 _DONE = object()
+
+
+def fork_children(spec: ChoiceSpec) -> list[ChoiceSpec]:
+    """The choices of a worker request: itself, or for a fork (``params.n`` > 1) one per sample."""
+    if spec.params.n == 1:
+        return [spec]
+    params = dataclasses.replace(spec.params, n=1)
+    return [
+        dataclasses.replace(spec, index=spec.index + i, request_id=f"{spec.request_id}/{i}" if i else spec.request_id,
+                            params=choice_params_of(params, i))
+        for i in range(spec.params.n)
+    ]  # fmt: skip
+
+
+def choice_params_of(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of a fork draws with ``seed + index``, as the engine's children do."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
 
 
 async def run_choices(
@@ -325,16 +384,20 @@ async def run_choices(
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run_one(spec: ChoiceSpec) -> None:
-        decoder = make_decoder(spec)
+        decoders = {child.index: make_decoder(child) for child in fork_children(spec)}
         stream = worker_tokens(ctx, spec)
         try:
             async for response in stream:
+                decoder = decoders.get(spec.index + response.sample_index)
+                if decoder is None or decoder.finish_reason is not None:
+                    continue  # a sample already cut at a stop string
                 delta = decoder.add(response)
-                ctx.timer.on_tokens(spec.index, delta.num_tokens)
+                ctx.timer.on_tokens(delta.index, delta.num_tokens)
                 queue.put_nowait(delta)
                 if delta.finish_reason:
                     ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
-                    break
+                    if all(d.finish_reason is not None for d in decoders.values()):
+                        break
             queue.put_nowait(_DONE)
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait(e)

@@ -2,8 +2,9 @@
 
 Requests accept the OpenAI fields the router implements plus vLLM's sampling
 extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``). Unknown fields are
-ignored, as OpenAI clients send fields that have no meaning here.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``). Fields a request
+model does not declare are kept in ``model_extra`` and refused by
+``services.router.fields.check_fields``; nested objects ignore theirs.
 """
 
 from __future__ import annotations
@@ -87,11 +88,18 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
+class RequestBody(BaseModel):
+    """A request body: undeclared fields are kept, so that they can be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(RequestBody):
     """Fields common to ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
@@ -113,6 +121,14 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    # ---- token-level controls and token ids (vLLM extras; services.router.token_controls)
+    logit_bias: dict[StrictStr, float] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # score the prompt, with this many alternatives per token
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -124,7 +140,11 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, **token_controls: Any) -> SamplingParams:
         """Validated engine params for one choice (``n`` stays on the request: the router fans out)."""
         try:
             SamplingParams(n=self.n, max_tokens=max_tokens)
@@ -145,6 +165,7 @@ class SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                **token_controls,
             )
         except InvalidRequestError as e:
             # The engine's messages start with the offending field's name.
@@ -162,7 +183,12 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
 
 
+# The mixins' own configs would otherwise replace RequestBody's: undeclared fields must stay visible.
+_BODY_CONFIG = ConfigDict(extra="allow", populate_by_name=True)
+
+
 class CompletionRequest(SamplingRequest, StructuredOutputFields):
+    model_config = _BODY_CONFIG
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: TokenCount | None = None
     logprobs: NumLogprobs | None = None
@@ -192,21 +218,32 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest, StructuredOutputFields, ToolFields):
+    model_config = _BODY_CONFIG
     messages: list[ChatMessage]
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the prompt ends inside the last message, which the model continues
+    echo: bool = False  # vLLM: prepend the last message's content when its role is the response's
 
 
 # ---------------------------------------------------------------- responses
+
+# Present only when asked for (``return_token_ids``), so the default shape stays OpenAI's.
+TokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=lambda v: v is None)]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Annotated[PromptTokensDetails | None, Field(exclude_if=lambda v: v is None)] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -216,11 +253,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of ``prompt_logprobs``: a token id (as the key) to this."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_token_ids: TokenIds = None  # with return_token_ids
+    token_ids: TokenIds = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -266,6 +317,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: TokenIds = None  # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -275,6 +327,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: TokenIds = None  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -293,6 +347,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: TokenIds = None  # with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -302,6 +357,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: TokenIds = None  # with return_token_ids, on the first chunk of a choice
+    prompt_logprobs: Annotated[PromptLogprobs | None, Field(exclude_if=lambda v: v is None)] = None
 
 
 class ModelCard(BaseModel):

@@ -20,6 +20,7 @@ from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_leases import LEASE, KVLeases, ownership_problems
 from shared.engine.model_runner import ModelRunner, kv_block_bytes, torch_dtype
+from shared.engine.prompt_logprobs import record as record_prompt_logprobs
 from shared.engine.request import Request, RequestStatus, TokenSample
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -43,6 +44,8 @@ class RequestOutputDelta:
     sample_index: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenSample] | None = None  # on a request's first delta, when asked for
+    embedding: list[float] | None = None  # embedding requests (SamplingParams.pooling): the pooled vector
 
 
 @dataclass
@@ -173,6 +176,8 @@ class EngineCore:
                 f"{self.max_model_len} tokens (including at least one generated token); shorten the prompt"
             )
         params.validate()
+        if params.pooling is not None and (params.max_tokens != 1 or params.n != 1):
+            raise InvalidRequestError("embedding requests (pooling) take max_tokens=1 and n=1")
         if params.constraint is not None and params.min_tokens > 0:
             # A complete grammar allows only EOS, which min_tokens forbids: nothing could be sampled.
             raise InvalidRequestError("min_tokens cannot be combined with a structured-output constraint")
@@ -272,6 +277,11 @@ class EngineCore:
     def step(self) -> list[RequestOutputDelta]:
         sched = self.scheduler.schedule()
         samples = self.runner.execute(sched)
+        embeddings = self.runner.take_embeddings()
+        for request_id, (first_position, scored) in self.runner.take_prompt_logprobs().items():
+            scored_request = self.scheduler.requests.get(request_id)
+            if scored_request is not None:
+                record_prompt_logprobs(scored_request.prompt_logprobs, first_position, scored)
         if self.on_step is not None:
             self.on_step(sched.num_batched_tokens)
         deltas: list[RequestOutputDelta] = []
@@ -280,7 +290,9 @@ class EngineCore:
                 self.num_prompt_tokens_computed += min(len(seq.token_ids), len(seq.prompt_token_ids) - seq.start_pos)
         for request, sample in self.scheduler.update_from_output(sched, samples):
             self.num_generation_tokens += 1
-            deltas.append(self._delta(request, sample))
+            delta = self._delta(request, sample)
+            delta.embedding = embeddings.get(request.request_id)
+            deltas.append(delta)
         return deltas
 
     def _delta(self, request: Request, sample: TokenSample) -> RequestOutputDelta:
@@ -300,7 +312,14 @@ class EngineCore:
             sample_index=request.seed_offset,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=self._first_prompt_logprobs(request),
         )
+
+    @staticmethod
+    def _first_prompt_logprobs(request: Request) -> list[TokenSample] | None:
+        if request.sampling_params.prompt_logprobs is None or request.num_output_tokens != 1:
+            return None
+        return list(request.prompt_logprobs)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

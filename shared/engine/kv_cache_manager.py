@@ -40,8 +40,9 @@ class KVCacheManager:
         At least one token is always left to compute, since the last prompt
         position's logits are needed to sample.
         """
-        if not self.enable_caching:
-            return [], 0
+        params = request.sampling_params
+        if not self.enable_caching or params.prompt_logprobs is not None or params.pooling == "mean":
+            return [], 0  # prompt logprobs and mean pooling need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes(self.block_size)[:max_blocks]:

@@ -31,6 +31,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, vLLM's shape: None for the first token, then id -> logprob.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling
 
 
 class _Tracker:
@@ -49,6 +52,12 @@ class _Tracker:
         """Apply a step's delta; returns a request id to abort when a stop string was hit."""
         completion = self.output.outputs[delta.sample_index]
         text = self.texts[delta.sample_index]
+        if delta.embedding is not None:
+            self.output.embedding = delta.embedding
+        if delta.prompt_logprobs is not None and self.output.prompt_logprobs is None:
+            self.output.prompt_logprobs = [None] + [
+                {s.token_id: s.logprob} | dict(s.top_logprobs or []) for s in delta.prompt_logprobs
+            ]
         for sample in delta.new_samples:
             completion.token_ids.append(sample.token_id)
             if self.params.logprobs is not None:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.pooling import Pooler
+from shared.engine.prompt_logprobs import compute_prompt_logprobs
 from shared.engine.request import TokenSample
 from shared.engine.sampler import Sampler, SamplingBatch, make_generator
 from shared.engine.scheduler import SchedulerOutput
@@ -66,6 +68,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None
+        # Prompt logprobs of the last step, per request: (first prompt position, samples); see take_prompt_logprobs.
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenSample]]] = {}
+        self.pooler = Pooler()
+        self._embeddings: dict[str, list[float]] = {}  # finished in the last step; see take_embeddings
         self._bitmask_filler: Any = None  # created on the first constrained step (imports xgrammar)
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
@@ -76,6 +82,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.pooler.release(request_id)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if request_id not in self._generators:
@@ -129,6 +136,8 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
+        self._prompt_logprobs = compute_prompt_logprobs(hidden, sched, self.model.compute_logits)
+        self._embeddings = self.pooler.step(hidden, sched)
         rows, params, prompts, outputs, generators, matchers = [], [], [], [], [], []
         end = 0
         for seq in sched.seqs:
@@ -151,6 +160,16 @@ class ModelRunner:
             self._add_bitmask(batch, matchers, logits.shape[-1])
         out = self.sampler(logits, batch)
         return self._collect(sched, out, batch)
+
+    def take_embeddings(self) -> dict[str, list[float]]:
+        """The embeddings the last ``execute`` finished (each taken once)."""
+        taken, self._embeddings = self._embeddings, {}
+        return taken
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[TokenSample]]]:
+        """The prompt logprobs the last ``execute`` computed (each step's are taken once)."""
+        taken, self._prompt_logprobs = self._prompt_logprobs, {}
+        return taken
 
     def _add_bitmask(self, batch: SamplingBatch, matchers: list, vocab_size: int) -> None:
         """Structured output: masks for the rows that carry a grammar matcher, and only those."""

@@ -23,6 +23,7 @@ class TokenSample:
     token_id: int
     logprob: float = 0.0
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +65,8 @@ class Request:
     # Prefill role: finish after the first token, keeping the blocks until released.
     prefill_only: bool = False
     kv_lease_seconds: float = 30.0  # prefill role: how long the finished prefill's lease lasts
+    # With sampling_params.prompt_logprobs: the scores of prompt tokens 1.. (shared.engine.prompt_logprobs).
+    prompt_logprobs: list[TokenSample] = field(default_factory=list)
     # Structured output: the grammar matcher (xgrammar), advanced by every appended token.
     matcher: Any = None
 

@@ -5,6 +5,8 @@ turns the step's logits into token ids and logprobs with batched tensor ops.
 
 Order of operations on each row's logits:
 0. structured output: rows with a grammar get -inf on the tokens it forbids.
+   Then token controls (``allowed_token_ids``, bad words, ``logit_bias``), see
+   ``shared.engine.token_constraints``.
 1. min_tokens: stop/EOS logits set to -inf while the row is below `min_tokens`.
 2. penalties on the raw logits: repetition (HF), then frequency and presence (OpenAI).
 3. logprobs: `log_softmax` of the logits after steps 1-2, before temperature and
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor
 
 from shared.engine.sampling_params import GREEDY_EPSILON, SamplingParams
+from shared.engine.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 
 _NEG_INF = float("-inf")
 
@@ -99,6 +102,7 @@ class SamplingBatch:
     min_tokens_rows: Tensor | None  # [N] int64, with min_tokens_token_ids: logits to set to -inf
     min_tokens_token_ids: Tensor | None  # [N] int64
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None if no row asks
+    token_constraints: TokenConstraints | None = None  # allowed ids, bad words, logit bias; None if no row asks
     # Structured output: allowed-token bitmasks, filled and applied for the constrained rows only.
     token_bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32, on the logits' device
     constrained_rows: list[int] | None = None  # the rows whose bitmask row is filled
@@ -156,6 +160,7 @@ class SamplingBatch:
             min_tokens_rows=min_tokens[0] if min_tokens else None,
             min_tokens_token_ids=min_tokens[1] if min_tokens else None,
             max_num_logprobs=max(asked_logprobs) if asked_logprobs else None,
+            token_constraints=build_token_constraints(params, output_token_ids, vocab_size, device),
         )
 
 
@@ -235,7 +240,9 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Ten
 
 
 def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """min_tokens suppression, then penalties: [B, V], the distribution that logprobs report."""
+    """Token controls, min_tokens suppression, then penalties: [B, V], the distribution that logprobs report."""
+    if batch.token_constraints is not None:
+        logits = apply_token_constraints(logits, batch.token_constraints)
     if batch.min_tokens_rows is not None:
         assert batch.min_tokens_token_ids is not None
         suppressed = (batch.min_tokens_rows, batch.min_tokens_token_ids)

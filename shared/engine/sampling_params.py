@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.structured.constraint import Constraint
@@ -34,6 +35,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled one
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (offline API; benchmarks)
+    # Token-level controls, applied by shared.engine.token_constraints before the penalties.
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # sequences that must not be completed
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many top alternatives
+    # Embedding request: pool the prompt's final hidden states ("last" or "mean"); see shared.engine.pooling.
+    pooling: str | None = None
+    normalize: bool = True  # L2-normalize the pooled embedding
     constraint: Constraint | None = None  # structured output: JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
@@ -76,12 +85,30 @@ class SamplingParams:
             fail(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             fail(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.pooling not in (None, "last", "mean"):
+            fail(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            fail(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop strings must be non-empty strings")
         if self.stop and not self.detokenize:
             fail("stop strings need detokenize=True")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             fail(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        self._validate_token_controls(fail)
+
+    def _validate_token_controls(self, fail: Callable[[str], None]) -> None:
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or token_id < 0:
+                fail(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not -100 <= bias <= 100:
+                fail(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids must be a non-empty list of token ids")
+        if any(not word or any(t < 0 for t in word) for word in self.bad_words_token_ids):
+            fail("bad_words_token_ids must be non-empty lists of token ids")
 
     @property
     def is_greedy(self) -> bool:

@@ -78,6 +78,23 @@ class WorkerScript:
             return token, "length"
         return token, ""
 
+    @staticmethod
+    def prompt_logprobs(request) -> list[worker_pb2.TokenOutput]:
+        """Scores of prompt tokens 1.. when asked: token ``t`` at position ``p`` gets ``-p / 100``, rank ``p``."""
+        if not request.sampling.HasField("prompt_logprobs"):
+            return []
+        k = request.sampling.prompt_logprobs
+        return [
+            worker_pb2.TokenOutput(
+                token_id=t,
+                logprob=-p / 100,
+                rank=p,
+                top_logprobs=[worker_pb2.TokenLogprob(token_id=t + j + 1, logprob=-j - 1) for j in range(k)],
+            )  # fmt: skip
+            for p, t in enumerate(request.prompt_token_ids)
+            if p > 0
+        ]
+
     def ids(self, num_tokens: int, seed: int = 0) -> list[int]:
         return [self.token_at(seed, i) for i in range(num_tokens)]
 
@@ -115,8 +132,9 @@ class FakePrefillWorker(_Health, worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(self.script.fail_prefill, "injected prefill failure")
         token, finish = self.script.output(request.sampling, 0)
         response = worker_pb2.PrefillResponse(
-            first_token=token, num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish
-        )
+            first_token=token, num_prompt_tokens=len(request.prompt_token_ids), finish_reason=finish,
+            prompt_logprobs=self.script.prompt_logprobs(request),
+        )  # fmt: skip
         if not finish:
             response.kv_handle.CopyFrom(
                 worker_pb2.KVHandle(
@@ -152,21 +170,31 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
         script.metadata.append(dict(context.invocation_metadata()))
         if script.fail_generate is not None:
             context.abort(script.fail_generate, "injected generate failure")
-        position = 1 if request.HasField("first_token") else 0
-        batch, finish = [], ""
+        scores = script.prompt_logprobs(request)
         # The RPC ends either after the last message or by the client's cancellation.
-        context.add_callback(lambda: None if finish else script.cancelled.append(request.request_id))
-        while not finish and context.is_active():
-            token, finish = script.output(request.sampling, position)
-            batch.append(token)
-            position += 1
-            if len(batch) == script.tokens_per_message or finish:
-                yield worker_pb2.GenerateResponse(
-                    tokens=batch, finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids)
-                )
-                batch = []
-                if script.delay_s:
-                    time.sleep(script.delay_s)
+        done = []
+        context.add_callback(lambda: None if done else script.cancelled.append(request.request_id))
+        # n > 1 (a fork): sample i follows the script with seed + i (when seeded), one sample after the other.
+        for sample in range(max(1, request.sampling.n)):
+            sampling = worker_pb2.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            if sample and sampling.HasField("seed"):
+                sampling.seed += sample
+            position = 1 if request.HasField("first_token") else 0
+            batch, finish = [], ""
+            while not finish and context.is_active():
+                token, finish = script.output(sampling, position)
+                batch.append(token)
+                position += 1
+                if len(batch) == script.tokens_per_message or finish:
+                    yield worker_pb2.GenerateResponse(
+                        tokens=batch, finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids),
+                        prompt_logprobs=scores, sample_index=sample,
+                    )  # fmt: skip
+                    batch, scores = [], []
+                    if script.delay_s:
+                        time.sleep(script.delay_s)
+        done.append(True)
 
 
 class _ScriptHolder:

@@ -36,6 +36,7 @@ def test_chat_non_stream(router, script, tokenizer):
         "prompt_tokens": len(expected_prompt),
         "completion_tokens": 5,
         "total_tokens": len(expected_prompt) + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     assert list(script.prefill_requests[0].prompt_token_ids) == expected_prompt
 

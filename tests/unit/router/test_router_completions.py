@@ -20,9 +20,20 @@ def test_disaggregated_completion(router, script, tokenizer):
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["id"] == response.headers["x-request-id"]
     [choice] = body["choices"]
-    assert choice == {"index": 0, "text": tokenizer.decode(script.ids(5)), "logprobs": None, "finish_reason": "length"}
+    assert choice == {
+        "index": 0,
+        "text": tokenizer.decode(script.ids(5)),
+        "logprobs": None,
+        "finish_reason": "length",
+        "prompt_logprobs": None,
+    }
     num_prompt = len(tokenizer.encode("Hello there"))
-    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 5, "total_tokens": num_prompt + 5}
+    assert body["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 5,
+        "total_tokens": num_prompt + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     [prefill] = script.prefill_requests
     [generate] = script.generate_requests
     assert list(prefill.prompt_token_ids) == tokenizer.encode("Hello there")
@@ -151,6 +162,7 @@ def test_stop_token_id_text_is_dropped(agg_router, script, tokenizer):
         "text": tokenizer.decode(script.ids(2)),
         "logprobs": None,
         "finish_reason": "stop",
+        "prompt_logprobs": None,
     }
     assert body["usage"]["completion_tokens"] == 3
 
@@ -177,12 +189,13 @@ def test_multibyte_text_streams_whole_characters(agg_router, script, tokenizer, 
     assert not any("\ufffd" in t for t in texts)
 
 
-def test_n2_fans_out_with_distinct_seeds(router, script, tokenizer):
+def test_n2_is_one_forked_request_with_distinct_seeds(router, script, tokenizer):
     body = post(router, {"prompt": "Hi", "max_tokens": 4, "n": 2, "seed": 3}).json()
     choices = sorted(body["choices"], key=lambda c: c["index"])
     assert [c["text"] for c in choices] == [tokenizer.decode(script.ids(4, seed=s)) for s in (3, 4)]
-    assert sorted(r.sampling.seed for r in script.generate_requests) == [3, 4]
-    assert len({r.request_id for r in script.generate_requests}) == 2
+    # One prefill (on the decode worker) and the engine's fork, instead of n requests.
+    [generate] = script.generate_requests
+    assert generate.sampling.n == 2 and generate.sampling.seed == 3 and not script.prefill_requests
     assert body["usage"]["completion_tokens"] == 8
 
 

@@ -70,7 +70,7 @@ def test_wrong_types_are_400(agg_router, body, param):
         ({"prompt": "Hi", "n": 0}, "n: "),
         ({"prompt": "Hi", "n": 1000}, "n: "),
         ({"prompt": "Hi", "logprobs": 50}, "logprobs"),
-        ({"prompt": "Hi", "echo": True}, "echo"),
+        ({"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt": "Hi", "stop": [""]}, "stop"),
         ({"prompt": "Hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
         ({"prompt": "Hi", "seed": 2**70}, "seed"),

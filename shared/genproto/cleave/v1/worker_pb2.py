@@ -24,53 +24,59 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63leave/v1/worker.proto\x12\tcleave.v1\"\x9c\x03\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x35\n\nconstraint\x18\xb4\x01 \x01(\x0b\x32\x1b.cleave.v1.OutputConstraintH\x03\x88\x01\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\r\n\x0b_constraint\".\n\x10OutputConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0bTokenOutput\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.cleave.v1.TokenLogprob\"\xef\x01\n\x08KVHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x1b\n\x13prefill_worker_addr\x18\x04 \x01(\t\x12\x18\n\x10transfer_backend\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x1b\n\x13lease_deadline_unix\x18\x08 \x01(\x01\x12\x13\n\x0b\x63ompat_hash\x18\t \x01(\t\x12\x12\n\nkv_peer_id\x18\x64 \x01(\t\"k\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\"\xb3\x01\n\x0fPrefillResponse\x12+\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.cleave.v1.TokenOutput\x12&\n\tkv_handle\x18\x02 \x01(\x0b\x32\x13.cleave.v1.KVHandle\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"\x87\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12\x30\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x16.cleave.v1.TokenOutputH\x00\x88\x01\x01\x12+\n\tkv_handle\x18\x05 \x01(\x0b\x32\x13.cleave.v1.KVHandleH\x01\x88\x01\x01\x12\x1c\n\x13generated_token_ids\x18\xb4\x01 \x03(\x05\x42\x0e\n\x0c_first_tokenB\x0c\n\n_kv_handle\"\xd6\x01\n\x10GenerateResponse\x12&\n\x06tokens\x18\x01 \x03(\x0b\x32\x16.cleave.v1.TokenOutput\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x06 \x01(\x01\x12\x15\n\rkv_recomputed\x18\x07 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"B\n\x11KVMetadataRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\"o\n\x12KVMetadataResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x18\n\x10transfer_backend\x18\x03 \x01(\t\x12\x10\n\x08metadata\x18\x04 \x01(\x0c\"\x0f\n\rHealthRequest\"g\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\"\x12\n\x10LoadStatsRequest\"\xce\x02\n\x11LoadStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x1b\n\x13num_leased_requests\x18\x06 \x01(\r\x12\x18\n\x10transfer_backend\x18\x07 \x01(\t\x12\x1f\n\x17kv_transfer_bytes_total\x18\x08 \x01(\x04\x12\x19\n\x11kv_transfer_count\x18\t \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\n \x01(\x04\x12\x1a\n\x12kv_ownership_error\x18\x64 \x01(\t\x12\x17\n\x0fnum_held_blocks\x18\x65 \x01(\r2\xaa\x03\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.cleave.v1.PrefillRequest\x1a\x1a.cleave.v1.PrefillResponse\x12\x46\n\tReleaseKV\x12\x1b.cleave.v1.ReleaseKVRequest\x1a\x1c.cleave.v1.ReleaseKVResponse\x12L\n\rGetKVMetadata\x12\x1c.cleave.v1.KVMetadataRequest\x1a\x1d.cleave.v1.KVMetadataResponse\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12=\n\x06Health\x12\x18.cleave.v1.HealthRequest\x1a\x19.cleave.v1.HealthResponse\x12\x46\n\tLoadStats\x12\x1b.cleave.v1.LoadStatsRequest\x1a\x1c.cleave.v1.LoadStatsResponse2\x98\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.cleave.v1.GenerateRequest\x1a\x1b.cleave.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12=\n\x06Health\x12\x18.cleave.v1.HealthRequest\x1a\x19.cleave.v1.HealthResponse\x12\x46\n\tLoadStats\x12\x1b.cleave.v1.LoadStatsRequest\x1a\x1c.cleave.v1.LoadStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63leave/v1/worker.proto\x12\tcleave.v1\"\xe1\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x96\x01 \x03(\x0b\x32(.cleave.v1.SamplingParams.LogitBiasEntry\x12\x37\n\x11\x61llowed_token_ids\x18\x97\x01 \x01(\x0b\x32\x16.cleave.v1.TokenIdListH\x03\x88\x01\x01\x12*\n\tbad_words\x18\x98\x01 \x03(\x0b\x32\x16.cleave.v1.TokenIdList\x12\x1d\n\x0fprompt_logprobs\x18\x99\x01 \x01(\rH\x04\x88\x01\x01\x12\x10\n\x07pooling\x18\x9a\x01 \x01(\t\x12\x12\n\tnormalize\x18\x9b\x01 \x01(\x08\x12\x35\n\nconstraint\x18\xb4\x01 \x01(\x0b\x32\x1b.cleave.v1.OutputConstraintH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x14\n\x12_allowed_token_idsB\x12\n\x10_prompt_logprobsB\r\n\x0b_constraint\" \n\x0bTokenIdList\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\".\n\x10OutputConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"|\n\x0bTokenOutput\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.cleave.v1.TokenLogprob\x12\x12\n\x04rank\x18\x96\x01 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"\xef\x01\n\x08KVHandle\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x1b\n\x13prefill_worker_addr\x18\x04 \x01(\t\x12\x18\n\x10transfer_backend\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x1b\n\x13lease_deadline_unix\x18\x08 \x01(\x01\x12\x13\n\x0b\x63ompat_hash\x18\t \x01(\t\x12\x12\n\nkv_peer_id\x18\x64 \x01(\t\"k\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\"\xe5\x01\n\x0fPrefillResponse\x12+\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.cleave.v1.TokenOutput\x12&\n\tkv_handle\x18\x02 \x01(\x0b\x32\x13.cleave.v1.KVHandle\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x30\n\x0fprompt_logprobs\x18\x96\x01 \x03(\x0b\x32\x16.cleave.v1.TokenOutput\"\x87\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.cleave.v1.SamplingParams\x12\x30\n\x0b\x66irst_token\x18\x04 \x01(\x0b\x32\x16.cleave.v1.TokenOutputH\x00\x88\x01\x01\x12+\n\tkv_handle\x18\x05 \x01(\x0b\x32\x13.cleave.v1.KVHandleH\x01\x88\x01\x01\x12\x1c\n\x13generated_token_ids\x18\xb4\x01 \x03(\x05\x42\x0e\n\x0c_first_tokenB\x0c\n\n_kv_handle\"\xb3\x02\n\x10GenerateResponse\x12&\n\x06tokens\x18\x01 \x03(\x0b\x32\x16.cleave.v1.TokenOutput\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x06 \x01(\x01\x12\x15\n\rkv_recomputed\x18\x07 \x01(\x08\x12\x30\n\x0fprompt_logprobs\x18\x96\x01 \x03(\x0b\x32\x16.cleave.v1.TokenOutput\x12\x12\n\tembedding\x18\x97\x01 \x03(\x02\x12\x15\n\x0csample_index\x18\x98\x01 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"B\n\x11KVMetadataRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\"o\n\x12KVMetadataResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x18\n\x10transfer_backend\x18\x03 \x01(\t\x12\x10\n\x08metadata\x18\x04 \x01(\x0c\"\x0f\n\rHealthRequest\"g\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\"\x12\n\x10LoadStatsRequest\"\xce\x02\n\x11LoadStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x1b\n\x13num_leased_requests\x18\x06 \x01(\r\x12\x18\n\x10transfer_backend\x18\x07 \x01(\t\x12\x1f\n\x17kv_transfer_bytes_total\x18\x08 \x01(\x04\x12\x19\n\x11kv_transfer_count\x18\t \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\n \x01(\x04\x12\x1a\n\x12kv_ownership_error\x18\x64 \x01(\t\x12\x17\n\x0fnum_held_blocks\x18\x65 \x01(\r2\xaa\x03\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.cleave.v1.PrefillRequest\x1a\x1a.cleave.v1.PrefillResponse\x12\x46\n\tReleaseKV\x12\x1b.cleave.v1.ReleaseKVRequest\x1a\x1c.cleave.v1.ReleaseKVResponse\x12L\n\rGetKVMetadata\x12\x1c.cleave.v1.KVMetadataRequest\x1a\x1d.cleave.v1.KVMetadataResponse\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12=\n\x06Health\x12\x18.cleave.v1.HealthRequest\x1a\x19.cleave.v1.HealthResponse\x12\x46\n\tLoadStats\x12\x1b.cleave.v1.LoadStatsRequest\x1a\x1c.cleave.v1.LoadStatsResponse2\x98\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.cleave.v1.GenerateRequest\x1a\x1b.cleave.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.cleave.v1.AbortRequest\x1a\x18.cleave.v1.AbortResponse\x12=\n\x06Health\x12\x18.cleave.v1.HealthRequest\x1a\x19.cleave.v1.HealthResponse\x12\x46\n\tLoadStats\x12\x1b.cleave.v1.LoadStatsRequest\x1a\x1c.cleave.v1.LoadStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cleave.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=450
-  _globals['_OUTPUTCONSTRAINT']._serialized_start=452
-  _globals['_OUTPUTCONSTRAINT']._serialized_end=498
-  _globals['_TOKENLOGPROB']._serialized_start=500
-  _globals['_TOKENLOGPROB']._serialized_end=549
-  _globals['_TOKENOUTPUT']._serialized_start=551
-  _globals['_TOKENOUTPUT']._serialized_end=646
-  _globals['_KVHANDLE']._serialized_start=649
-  _globals['_KVHANDLE']._serialized_end=888
-  _globals['_PREFILLREQUEST']._serialized_start=890
-  _globals['_PREFILLREQUEST']._serialized_end=997
-  _globals['_PREFILLRESPONSE']._serialized_start=1000
-  _globals['_PREFILLRESPONSE']._serialized_end=1179
-  _globals['_GENERATEREQUEST']._serialized_start=1182
-  _globals['_GENERATEREQUEST']._serialized_end=1445
-  _globals['_GENERATERESPONSE']._serialized_start=1448
-  _globals['_GENERATERESPONSE']._serialized_end=1662
-  _globals['_ABORTREQUEST']._serialized_start=1664
-  _globals['_ABORTREQUEST']._serialized_end=1698
-  _globals['_ABORTRESPONSE']._serialized_start=1700
-  _globals['_ABORTRESPONSE']._serialized_end=1730
-  _globals['_RELEASEKVREQUEST']._serialized_start=1732
-  _globals['_RELEASEKVREQUEST']._serialized_end=1770
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1772
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1809
-  _globals['_KVMETADATAREQUEST']._serialized_start=1811
-  _globals['_KVMETADATAREQUEST']._serialized_end=1877
-  _globals['_KVMETADATARESPONSE']._serialized_start=1879
-  _globals['_KVMETADATARESPONSE']._serialized_end=1990
-  _globals['_HEALTHREQUEST']._serialized_start=1992
-  _globals['_HEALTHREQUEST']._serialized_end=2007
-  _globals['_HEALTHRESPONSE']._serialized_start=2009
-  _globals['_HEALTHRESPONSE']._serialized_end=2112
-  _globals['_LOADSTATSREQUEST']._serialized_start=2114
-  _globals['_LOADSTATSREQUEST']._serialized_end=2132
-  _globals['_LOADSTATSRESPONSE']._serialized_start=2135
-  _globals['_LOADSTATSRESPONSE']._serialized_end=2469
-  _globals['_PREFILLWORKER']._serialized_start=2472
-  _globals['_PREFILLWORKER']._serialized_end=2898
-  _globals['_DECODEWORKER']._serialized_start=2901
-  _globals['_DECODEWORKER']._serialized_end=3181
+  _globals['_SAMPLINGPARAMS']._serialized_end=775
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=633
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=681
+  _globals['_TOKENIDLIST']._serialized_start=777
+  _globals['_TOKENIDLIST']._serialized_end=809
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=811
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=857
+  _globals['_TOKENLOGPROB']._serialized_start=859
+  _globals['_TOKENLOGPROB']._serialized_end=908
+  _globals['_TOKENOUTPUT']._serialized_start=910
+  _globals['_TOKENOUTPUT']._serialized_end=1034
+  _globals['_KVHANDLE']._serialized_start=1037
+  _globals['_KVHANDLE']._serialized_end=1276
+  _globals['_PREFILLREQUEST']._serialized_start=1278
+  _globals['_PREFILLREQUEST']._serialized_end=1385
+  _globals['_PREFILLRESPONSE']._serialized_start=1388
+  _globals['_PREFILLRESPONSE']._serialized_end=1617
+  _globals['_GENERATEREQUEST']._serialized_start=1620
+  _globals['_GENERATEREQUEST']._serialized_end=1883
+  _globals['_GENERATERESPONSE']._serialized_start=1886
+  _globals['_GENERATERESPONSE']._serialized_end=2193
+  _globals['_ABORTREQUEST']._serialized_start=2195
+  _globals['_ABORTREQUEST']._serialized_end=2229
+  _globals['_ABORTRESPONSE']._serialized_start=2231
+  _globals['_ABORTRESPONSE']._serialized_end=2261
+  _globals['_RELEASEKVREQUEST']._serialized_start=2263
+  _globals['_RELEASEKVREQUEST']._serialized_end=2301
+  _globals['_RELEASEKVRESPONSE']._serialized_start=2303
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2340
+  _globals['_KVMETADATAREQUEST']._serialized_start=2342
+  _globals['_KVMETADATAREQUEST']._serialized_end=2408
+  _globals['_KVMETADATARESPONSE']._serialized_start=2410
+  _globals['_KVMETADATARESPONSE']._serialized_end=2521
+  _globals['_HEALTHREQUEST']._serialized_start=2523
+  _globals['_HEALTHREQUEST']._serialized_end=2538
+  _globals['_HEALTHRESPONSE']._serialized_start=2540
+  _globals['_HEALTHRESPONSE']._serialized_end=2643
+  _globals['_LOADSTATSREQUEST']._serialized_start=2645
+  _globals['_LOADSTATSREQUEST']._serialized_end=2663
+  _globals['_LOADSTATSRESPONSE']._serialized_start=2666
+  _globals['_LOADSTATSRESPONSE']._serialized_end=3000
+  _globals['_PREFILLWORKER']._serialized_start=3003
+  _globals['_PREFILLWORKER']._serialized_end=3429
+  _globals['_DECODEWORKER']._serialized_start=3432
+  _globals['_DECODEWORKER']._serialized_end=3712
 # @@protoc_insertion_point(module_scope)
