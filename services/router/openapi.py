@@ -48,7 +48,8 @@ _DESCRIPTIONS = {
     "503": "No worker can serve the request now; retry later",
 }
 
-# Statuses each operation answers besides 200, keyed by (method, path); others get only 405.
+# Statuses each operation answers besides 200, keyed by (method, path). Other POST routes
+# answer like the generation ones; a GET path with a parameter answers 404 for an unknown one.
 GENERATION_ERRORS = ("400", "404", "413", "503")
 OPERATION_ERRORS: dict[tuple[str, str], tuple[str, ...]] = {
     ("post", "/v1/completions"): GENERATION_ERRORS,
@@ -83,7 +84,9 @@ def router_openapi(app: FastAPI) -> dict[str, Any]:
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            for status in OPERATION_ERRORS.get((method, path), ()):
+            default = GENERATION_ERRORS if method == "post" else ("404",) if "{" in path else ()
+            statuses = OPERATION_ERRORS.get((method, path), default)
+            for status in statuses:
                 responses[status] = _error_response(status)
             if (method, path) in OK_CONTENT:
                 ok = responses.setdefault("200", {"description": "Successful Response"})

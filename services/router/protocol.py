@@ -20,7 +20,6 @@ from pydantic import (
     StrictInt,
     StrictStr,
     model_serializer,
-    model_validator,
 )
 
 from services.router.structured import StructuredOutputFields
@@ -49,7 +48,8 @@ RepetitionPenalty = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False), N
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), NotBool]
 TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX), NotBool]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), NotBool]
-NumLogprobs = Annotated[int, Field(ge=0, le=20), NotBool]
+# Published bounds only: serving.check_top_logprobs refuses values outside them, naming the field.
+NumLogprobs = Annotated[int, Field(json_schema_extra={"minimum": 0, "maximum": 20}), NotBool]
 StopString = Annotated[str, Field(min_length=1)]
 # Roles the OpenAI chat API accepts.
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -129,12 +129,6 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None  # score the prompt, with this many alternatives per token
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingRequest:
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
 
     @property
     def include_usage(self) -> bool:

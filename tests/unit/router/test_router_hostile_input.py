@@ -9,6 +9,7 @@ import math
 import httpx
 import pytest
 
+from services.router.protocol import choice_params
 from services.router.serving import MIN_LOGPROB, _lp, sse
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from tests.unit.router.test_router_errors import MODEL, assert_error
@@ -59,11 +60,10 @@ def test_refused_chat_fields_are_400(agg_router, script, body, param):
     assert_error(post_raw(agg_router, "/v1/chat/completions", body), 400, param=param)
 
 
-def test_seed_at_the_int64_limit_with_n_2_is_served(agg_router, script):
-    resp = post_raw(agg_router, "/v1/completions", {"prompt": "Hi", "seed": 2**63 - 1, "n": 2, "max_tokens": 3})
-    assert resp.status_code == 200, resp.text
-    seeds = sorted(r.sampling.seed for r in script.generate_requests)
-    assert seeds == [-(2**63), 2**63 - 1]  # the second choice's seed wraps within int64
+def test_choice_seeds_wrap_within_int64():
+    params = SamplingParams(seed=2**63 - 1)
+    assert choice_params(params, 1).seed == -(2**63)  # seed + index stays a valid int64
+    assert choice_params(params, 0).seed == 2**63 - 1
 
 
 def test_405_names_the_allowed_methods(agg_router):
