@@ -43,7 +43,7 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
 _DESCRIPTIONS = {
     "400": "Invalid request: a field out of range, a malformed body, a prompt over the context length",
     "401": "Missing or wrong API key (when the router runs with --api-key)",
-    "404": "The model named in the request is not served here",
+    "404": "The model named in the request is not served here (or the resource does not exist)",
     "405": "Method not allowed (the Allow header lists the allowed ones)",
     "413": "The request body is larger than the router accepts",
     "429": "Every worker of a pool is at --max-queued-requests; retry after the Retry-After header",
@@ -58,6 +58,7 @@ OPERATION_ERRORS: dict[tuple[str, str], tuple[str, ...]] = {
     ("post", "/v1/completions"): (*GENERATION_ERRORS, "429", "504"),
     ("post", "/v1/chat/completions"): (*GENERATION_ERRORS, "429", "504"),
     ("get", "/health"): ("503",),
+    ("get", "/kv_index"): ("404",),  # without kv_aware routing there is no index
 }
 
 
