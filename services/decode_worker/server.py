@@ -50,7 +50,8 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id
+        self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id (handshaken)
+        self._replaced: set[str] = set()  # peer ids of prefill processes that another one replaced
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.background = BackgroundTasks()  # KV releases: kept referenced, failures logged
         self.kv_loader = KVConnectorWorker(ConnectorTransport(self.connector, self._release))
@@ -60,15 +61,39 @@ class DecodeWorker(WorkerBase):
             self._channels[addr] = grpc.aio.insecure_channel(addr)
         return pb_grpc.PrefillWorkerStub(self._channels[addr])
 
-    async def _peer(self, addr: str) -> str:
-        if addr not in self._peers:
-            reply = await self._stub(addr).GetKVMetadata(
-                pb.KVMetadataRequest(protocol_version=PROTOCOL_VERSION, compat_hash=self.peer_info.compat_hash),
-                timeout=10,
-            )
-            loop = asyncio.get_running_loop()
-            self._peers[addr] = await loop.run_in_executor(None, self.connector.add_peer, reply.metadata)
-        return self._peers[addr]
+    async def _peer(self, handle: pb.KVHandle, failed: str | None = None) -> str:
+        """The connector peer id of the handle's prefill worker, handshaking when it is new, when it
+        restarted (the handle names another ``kv_peer_id``) or when a pull from peer ``failed``."""
+        addr = handle.prefill_worker_addr
+        if handle.kv_peer_id in self._replaced:
+            raise PullFailed(f"prefill worker {addr} restarted after the prefill; its KV is gone")
+        cached = self._peers.get(addr)
+        if cached is not None and cached != failed and handle.kv_peer_id in ("", cached):
+            return cached
+        loop = asyncio.get_running_loop()
+        reply = await self._stub(addr).GetKVMetadata(
+            pb.KVMetadataRequest(protocol_version=PROTOCOL_VERSION, compat_hash=self.peer_info.compat_hash),
+            timeout=10,
+        )
+        peer = await loop.run_in_executor(None, self.connector.add_peer, reply.metadata)
+        if cached is not None and cached != peer and self._peers.get(addr) == cached:
+            self._replaced.add(cached)
+            await loop.run_in_executor(None, self.connector.remove_peer, cached)
+            logger.info("kv_rehandshake prefill_worker_addr=%s old_peer=%s new_peer=%s", addr, cached, peer)
+        self._peers[addr] = peer
+        if handle.kv_peer_id and peer != handle.kv_peer_id:
+            # Another process answers on that address now: the handle's blocks died with the old one.
+            raise PullFailed(f"prefill worker {addr} restarted after the prefill; its KV is gone")
+        return peer
+
+    async def _pull_once_more(self, handle: pb.KVHandle, attempt) -> LoadResult:
+        """Pull; on a transfer failure handshake again (the prefill worker may have restarted) and retry once."""
+        peer = await self._peer(handle)
+        try:
+            return await attempt(peer)
+        except KVTransferError as e:
+            logger.info("kv_pull_retry request_id=%s error=%s", handle.request_id, e)
+            return await attempt(await self._peer(handle, failed=peer))
 
     async def Generate(self, request: pb.GenerateRequest, context):
         await self.admit(context)
@@ -166,11 +191,17 @@ class DecodeWorker(WorkerBase):
             load = await self.engine.run(lambda: connector.allocate(req, remote))
             if load is None:
                 raise PullFailed("no free KV blocks for the pull")
-            if load.num_blocks:  # a prompt cached here whole needs no handshake either
-                peer = await self._peer(handle.prefill_worker_addr)
-                load = replace(load, remote=replace(remote, peer_id=peer))
-            pending = self.kv_loader.start_load(load)
-            result = await asyncio.shield(asyncio.wrap_future(pending))
+            planned = load
+
+            async def attempt(peer: str) -> LoadResult:
+                nonlocal pending
+                pending = self.kv_loader.start_load(replace(planned, remote=replace(remote, peer_id=peer)))
+                return await asyncio.shield(asyncio.wrap_future(pending))
+
+            if load.num_blocks:  # a prompt cached here whole needs no handshake and no transfer
+                result = await self._pull_once_more(handle, attempt)
+            else:
+                result = LoadResult(num_bytes=0, seconds=0.0, num_descriptors=0)
         except asyncio.CancelledError:
             # The caller went away. Free the blocks (commands run in order, so after any
             # allocation), but only once a running load can no longer write into them.

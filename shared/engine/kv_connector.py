@@ -6,8 +6,9 @@ Two sides, as in vLLM's connector API:
   worker holds for a request (``RemoteKV``), it matches the local prefix cache
   first, says how many further tokens the remote can supply, allocates local
   blocks for them and returns the ``KVLoad`` to perform: only the remote blocks
-  the local cache lacks. Once the load is done it joins the request into the
-  running batch; if the load is given up it frees what it allocated.
+  the local cache lacks. Meanwhile a pull hold (``KVLeases``) owns the blocks.
+  Once the load is done it hands them to the request, which joins the running
+  batch; if the load is given up it frees them.
 - ``KVConnectorWorker`` moves the bytes through a ``KVTransport`` (the
   service's NIXL or TCP connector): start the load, wait for it, release the
   remote blocks. A load of no blocks finishes at once without touching the
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared.engine.kv_cache_manager import KVCacheManager, cdiv
+from shared.engine.kv_leases import PULL, KVLeases
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.engine.scheduler import Scheduler
@@ -77,11 +79,11 @@ class KVTransport(Protocol):
 class KVConnectorScheduler:
     """Engine-thread side: what a remote can supply, what to allocate, when the request runs."""
 
-    def __init__(self, kv: KVCacheManager, scheduler: Scheduler) -> None:
+    def __init__(self, kv: KVCacheManager, scheduler: Scheduler, leases: KVLeases) -> None:
         self.kv = kv
         self.scheduler = scheduler
-        # Requests whose blocks are allocated while their load runs: the owners of those blocks.
-        self.loading: dict[str, Request] = {}
+        # While a load runs, a PULL hold owns the request's blocks (local cache hits included).
+        self.leases = leases
 
     def get_num_new_matched_tokens(self, request: Request, remote: RemoteKV, num_computed_tokens: int) -> int:
         """Tokens the remote supplies beyond the ``num_computed_tokens`` the request holds locally."""
@@ -103,7 +105,7 @@ class KVConnectorScheduler:
         if block_ids is None:
             request.num_computed_tokens = 0
             return None
-        self.loading[request.request_id] = request
+        self.leases.grant(request.request_id, PULL)
         first = len(hits)  # remote block index where the local cache stops
         return KVLoad(
             request_id=request.request_id,
@@ -128,7 +130,7 @@ class KVConnectorScheduler:
 
     def finish_load(self, request: Request, load: KVLoad) -> None:
         """The loaded KV is in place: the request joins the running batch after its remote tokens."""
-        self.loading.pop(request.request_id, None)
+        self.leases.hand_over(request.request_id)
         request.num_computed_tokens = load.num_local_tokens + load.num_remote_tokens
         request.num_cached_tokens = load.num_local_tokens
         self.kv.cache_full_blocks(request)
@@ -136,8 +138,7 @@ class KVConnectorScheduler:
 
     def free_unjoined(self, request: Request) -> None:
         """Give back the blocks of a load whose request never joined (failed, cancelled). Idempotent."""
-        if self.loading.pop(request.request_id, None) is not None:
-            self.kv.free(request.request_id)
+        if self.leases.release(request.request_id, kinds=(PULL,)):
             request.num_computed_tokens = 0
 
 

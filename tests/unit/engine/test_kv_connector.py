@@ -6,6 +6,7 @@ import pytest
 
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnectorScheduler, KVConnectorWorker, LoadResult, RemoteKV
+from shared.engine.kv_leases import KVLeases, ownership_problems
 from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
@@ -17,7 +18,12 @@ FIRST_TOKEN = 999
 def setup(num_blocks: int = 16) -> tuple[KVCacheManager, Scheduler, KVConnectorScheduler]:
     kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
-    return kv, scheduler, KVConnectorScheduler(kv, scheduler)
+    return kv, scheduler, KVConnectorScheduler(kv, scheduler, KVLeases(kv))
+
+
+def owned(connector: KVConnectorScheduler) -> list[str]:
+    """Problems of the block-ownership invariant (empty: every used block has its owner)."""
+    return ownership_problems(connector.kv, set(connector.scheduler.requests), connector.leases)
 
 
 def remote_request(rid: str, prompt: list[int]) -> Request:
@@ -48,9 +54,10 @@ def test_cold_cache_loads_every_remote_block_then_runs():
     assert load.remote_block_ids == (7, 8, 9) and load.local_block_ids == (0, 1, 2)
     assert (load.num_local_tokens, load.num_remote_tokens) == (0, 10)
     assert req.request_id not in scheduler.requests  # not runnable before the load is done
-    assert connector.loading == {"a": req}  # the owner of blocks 0, 1, 2 meanwhile
+    hold = connector.leases.get("a")
+    assert hold is not None and hold.block_ids == (0, 1, 2) and owned(connector) == []  # a pull owns them
     connector.finish_load(req, load)
-    assert connector.loading == {}
+    assert "a" not in connector.leases and owned(connector) == []
     connector.free_unjoined(req)  # joined: the scheduler owns its blocks now, nothing is freed
     assert kv.block_ids("a") == [0, 1, 2]
     assert req.num_computed_tokens == 10 and req.num_cached_tokens == 0
@@ -68,7 +75,7 @@ def test_partial_local_hit_loads_only_the_missing_blocks():
     req = remote_request("b", shared_prefix + [50, 51, 52, 53, 54, 55])  # 14 tokens: 4 blocks
     load = connector.allocate(req, remote((20, 21, 22, 23), 14))
     assert load is not None
-    assert kv.block_ids("b") == [0, 1, 3, 4]
+    assert kv.block_ids("b") == [0, 1, 3, 4] and owned(connector) == []
     assert load.remote_block_ids == (22, 23) and load.local_block_ids == (3, 4)
     assert (load.num_local_tokens, load.num_remote_tokens) == (8, 6)
     connector.finish_load(req, load)
@@ -100,7 +107,7 @@ def test_no_room_changes_nothing_and_unjoined_blocks_are_freed():
     assert kv2.num_free_blocks == 1
     connector2.free_unjoined(req2)
     connector2.free_unjoined(req2)  # idempotent
-    assert kv2.num_free_blocks == 4 and req2.status == RequestStatus.WAITING
+    assert kv2.num_free_blocks == 4 and req2.status == RequestStatus.WAITING and owned(connector2) == []
 
 
 def test_a_handle_that_cannot_describe_the_prompt_is_refused():
