@@ -84,6 +84,8 @@ class WorkerMetrics:
         self.kv_descriptors = counter("cleave_kv_transfer_descriptors", "Transfer descriptors of KV pulls.")
         self.kv_transfers = counter("cleave_kv_transfers", "KV pulls completed.")
         self.kv_failures = counter("cleave_kv_transfer_failures", "KV pulls that failed (incl. expired leases).")
+        self.kv_pull_cached = counter("cleave_kv_pull_cached_tokens",
+                                      "Prompt tokens of KV pulls found in this worker's prefix cache, so not pulled.")  # fmt: skip
         self.kv_recomputes = counter("cleave_kv_recomputes", "Requests whose prefill was recomputed after a failure.")
         self.lease_expired = counter("cleave_kv_lease_expired", "KV leases that expired before release.")
         self.leased = gauge("cleave_kv_leased_requests", "Finished prefills whose blocks wait for a pull.")
@@ -120,6 +122,7 @@ class WorkerMetrics:
         self._advance(self.prompt_tokens, "pt", stats.num_prompt_tokens_computed)
         self._advance(self.generation_tokens, "gt", stats.num_generation_tokens)
         self._advance(self.lease_expired, "le", stats.num_leases_expired)
+        self._advance(self.kv_pull_cached, "kc", stats.num_pull_cached_tokens)
 
     def observe_step(self, num_batched_tokens: int) -> None:
         if num_batched_tokens > 0:

@@ -195,7 +195,7 @@ def main(argv: list[str]) -> int:
         if args.prefix_groups > 0:
             # Hit rate over the prompt blocks a prefix cache could ever serve (full blocks before the last token).
             total_blocks = sum((len(r.prompt_token_ids) - 1) // args.block_size for r in workload)
-            hits = after["prefix_hits"] - before["prefix_hits"]
+            hits = (after["prefix_hits"] - before["prefix_hits"]) / args.block_size  # the counters count tokens
             report["prefix_hit_rate"] = hits / max(total_blocks, 1)
             report["ideal_prefix_hit_rate"] = ideal_hits / max(total_blocks, 1)
             report["prefix_hit_rate_vs_ideal"] = hits / max(ideal_hits, 1)

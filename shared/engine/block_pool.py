@@ -68,11 +68,12 @@ class BlockPool:
             out.append(block)
         return out
 
-    def lookup(self, block_hash: bytes) -> KVBlock | None:
-        self.cache_queries += 1
+    def lookup(self, block_hash: bytes, record: bool = True) -> KVBlock | None:
+        """The cached block holding ``block_hash``; ``record`` counts the query and hit in the cache stats."""
         block = self._cached.get(block_hash)
-        if block is not None:
-            self.cache_hits += 1
+        if record:
+            self.cache_queries += 1
+            self.cache_hits += block is not None
         return block
 
     def touch(self, blocks: list[KVBlock]) -> None:

@@ -64,6 +64,7 @@ class EngineStats:
     num_leased_requests: int = 0
     num_held_blocks: int = 0  # blocks held by leases and pulls in flight
     num_leases_expired: int = 0
+    num_pull_cached_tokens: int = 0  # prompt tokens KV pulls found in the local prefix cache (not pulled)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -340,4 +341,5 @@ class EngineCore:
             num_leased_requests=self.leases.num_leases,
             num_held_blocks=self.leases.num_held_blocks,
             num_leases_expired=self.leases.num_expired,
+            num_pull_cached_tokens=self.kv_connector.num_local_hit_tokens,
         )

@@ -34,11 +34,12 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, record: bool = True) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request, in blocks and tokens.
 
         At least one token is always left to compute, since the last prompt
-        position's logits are needed to sample.
+        position's logits are needed to sample. ``record=False`` leaves the
+        hit-rate stats alone (a lookup that saves a transfer, not compute).
         """
         params = request.sampling_params
         if not self.enable_caching or params.prompt_logprobs is not None or params.pooling == "mean":
@@ -46,7 +47,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes(self.block_size)[:max_blocks]:
-            block = self.pool.lookup(block_hash)
+            block = self.pool.lookup(block_hash, record)
             if block is None:
                 break
             hits.append(block)

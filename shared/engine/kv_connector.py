@@ -84,6 +84,9 @@ class KVConnectorScheduler:
         self.scheduler = scheduler
         # While a load runs, a PULL hold owns the request's blocks (local cache hits included).
         self.leases = leases
+        # Prompt tokens loads found in the local prefix cache (not pulled). Kept apart from the
+        # prefix-cache hit stats: such a hit saves a transfer, the prefill was computed remotely.
+        self.num_local_hit_tokens = 0
 
     def get_num_new_matched_tokens(self, request: Request, remote: RemoteKV, num_computed_tokens: int) -> int:
         """Tokens the remote supplies beyond the ``num_computed_tokens`` the request holds locally."""
@@ -96,7 +99,7 @@ class KVConnectorScheduler:
         """
         self._check(request, remote)
         assert request.num_computed_tokens == 0 and request.request_id not in self.kv.req_blocks
-        hits, num_local = self.kv.get_computed_blocks(request)
+        hits, num_local = self.kv.get_computed_blocks(request, record=False)
         num_local = min(num_local, remote.num_tokens // self.kv.block_size * self.kv.block_size)
         hits = hits[: num_local // self.kv.block_size]
         num_new = self.get_num_new_matched_tokens(request, remote, num_local)
@@ -106,6 +109,7 @@ class KVConnectorScheduler:
             request.num_computed_tokens = 0
             return None
         self.leases.grant(request.request_id, PULL)
+        self.num_local_hit_tokens += num_local
         first = len(hits)  # remote block index where the local cache stops
         return KVLoad(
             request_id=request.request_id,

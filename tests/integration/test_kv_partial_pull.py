@@ -105,6 +105,12 @@ def test_decode_worker_pulls_only_blocks_its_cache_lacks(workers, prompts, expec
     assert tokens == expected["covered"]
     assert head.kv_transfer_bytes == 0 and head.num_cached_tokens == 3 * BLOCK and not head.kv_recomputed
     assert scrape(port, BYTES_METRIC) == before and scrape(port, "cleave_kv_transfers_total") == transfers
+    # What the local cache supplied to the two pulls is counted apart (exported about once a second).
+    deadline = time.monotonic() + 30
+    while scrape(port, "cleave_kv_pull_cached_tokens_total") < 2 * 3 * BLOCK:
+        assert time.monotonic() < deadline, "cleave_kv_pull_cached_tokens_total stayed short"
+        time.sleep(0.2)
+    assert scrape(port, "cleave_kv_pull_cached_tokens_total") == 2 * 3 * BLOCK
 
 
 def test_prefill_leases_are_released_and_decode_blocks_return(workers, prompts):
