@@ -136,7 +136,9 @@ class KVConnectorScheduler:
         """The loaded KV is in place: the request joins the running batch after its remote tokens."""
         self.leases.hand_over(request.request_id)
         request.num_computed_tokens = load.num_local_tokens + load.num_remote_tokens
-        request.num_cached_tokens = load.num_local_tokens
+        # Local matches saved a transfer, not compute: the prompt's cached tokens are the prefill
+        # worker's to report (its prefix-cache hit), so none are counted here.
+        request.num_cached_tokens = 0
         self.kv.cache_full_blocks(request)
         self.scheduler.add_running(request)
 

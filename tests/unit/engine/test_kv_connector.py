@@ -79,7 +79,8 @@ def test_partial_local_hit_loads_only_the_missing_blocks():
     assert load.remote_block_ids == (22, 23) and load.local_block_ids == (3, 4)
     assert (load.num_local_tokens, load.num_remote_tokens) == (8, 6)
     connector.finish_load(req, load)
-    assert req.num_computed_tokens == 14 and req.num_cached_tokens == 8
+    assert req.num_computed_tokens == 14 and req.num_cached_tokens == 0  # the prefill worker reports its hits
+    assert connector.num_local_hit_tokens == 8
 
 
 def test_fully_cached_prompt_needs_no_load():
