@@ -7,6 +7,7 @@ OpenTelemetry trace across the three processes (a local OTLP receiver)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import grpc
 import openai
 import pytest
 
+from services.common.registry import connect, read_registry
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
 from shared.tools.gen_dashboards import DASHBOARD_PATH
@@ -71,7 +73,7 @@ def cluster(model_dir, tmp_path_factory):
             prom.wait_ready()
             prom.wait_scraping(len(ports))
             yield {"prefill": prefill, "decode": decode, "router": router, "base": base, "ports": ports, "prometheus": prom,
-                   "receiver": receiver}  # fmt: skip
+                   "receiver": receiver, "redis": redis}  # fmt: skip
         finally:
             prom.stop()
     finally:
@@ -141,6 +143,22 @@ def test_each_process_serves_only_its_own_metrics(workload):
     assert not any(n.startswith("cleave_router_") or n.startswith("python_") for n in prefill | decode)
     assert scrape(ports["decode"], "cleave_kv_transfer_bytes_total") > 0
     assert scrape(ports["prefill"], "cleave_kv_transfer_bytes_total") == 0  # pulls count where they land
+
+
+def test_registry_entries_carry_each_workers_metrics_address(workload):
+    async def entries():
+        client = connect(workload["redis"].url)
+        try:
+            return await read_registry(client)
+        finally:
+            await client.aclose()
+
+    by_role = {e.role: e for e in asyncio.run(entries())}
+    assert set(by_role) == {"prefill", "decode"}
+    for role, entry in by_role.items():
+        assert entry.metrics_addr.endswith(f":{workload['ports'][role]}")
+        with urllib.request.urlopen(f"http://{entry.metrics_addr}/metrics", timeout=10) as resp:
+            assert f'role="{role}",worker_id="{entry.worker_id}"'.encode() in resp.read()
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
