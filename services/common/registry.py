@@ -93,6 +93,13 @@ class Backoff:
     def __init__(self, what: str, base_s: float) -> None:
         self.what, self.base_s, self.delay_s = what, base_s, base_s
         self.down = False
+        self.ever_up = False  # one call has succeeded
+        self.num_reconnects = 0  # outages that ended
+
+    @property
+    def up(self) -> bool:
+        """Redis answered the last call."""
+        return self.ever_up and not self.down
 
     def failed(self, error: BaseException) -> float:
         if not self.down:
@@ -104,7 +111,8 @@ class Backoff:
     def succeeded(self) -> float:
         if self.down:
             logger.info("redis_reconnected what=%s", self.what)
-        self.down, self.delay_s = False, self.base_s
+            self.num_reconnects += 1
+        self.down, self.ever_up, self.delay_s = False, True, self.base_s
         return self.base_s
 
 

@@ -236,7 +236,8 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
     if args.redis_url:
         from services.common.registry import WorkerRegistrar
 
-        metrics_addr = f"{args.host}:{metrics_port}" if metrics_port >= 0 else ""
+        # Scrapers dial the host the gRPC address advertises (a wildcard bind is no address).
+        metrics_addr = f"{worker.address.rsplit(':', 1)[0]}:{metrics_port}" if metrics_port >= 0 else ""
         registrar = WorkerRegistrar(args.redis_url, lambda: worker.registry_entry(metrics_addr))
         heartbeat = tasks.spawn(registrar.run(), "registry_heartbeat")
 

@@ -47,6 +47,7 @@ from services.router.serving import (
 )
 from services.router.settings import RouterSettings
 from services.router.spans import end_request_span, start_request_span
+from services.router.state_metrics import RouterStateCollector
 from services.router.workers import WorkerPools
 from shared.models.config import ModelConfig, load_model_config
 from shared.tokenizer import Tokenizer
@@ -70,6 +71,7 @@ class RouterState:
     pools: WorkerPools | None = None
     watcher: Any = None  # the RegistryWatcher when --redis-url is set
     kv_router: Any = None  # the KVRouter under --routing-policy kv_aware
+    kv_reader: Any = None  # the KVEventReader feeding its index
     in_flight: int = 0  # generation requests being answered (GET /load)
 
     def model_info(self) -> ModelInfo:
@@ -99,6 +101,7 @@ def start_kv_routing(state: RouterState) -> tuple[Any, asyncio.Task | None]:
 
     index = KVIndex(settings.kv_index_max_entries)
     reader = KVEventReader(settings.redis_url, state.watcher, index)
+    state.kv_reader = reader
     state.kv_router = KVRouter(index, state.watcher, settings.kv_overlap_weight, settings.router_temperature,
                                settings.disagg_min_uncached_tokens)  # fmt: skip
     return reader, asyncio.create_task(reader.run())
@@ -240,7 +243,8 @@ def start_choices(state: RouterState, run: RequestRun) -> AsyncGenerator[ChoiceD
     def make_decoder(spec: ChoiceSpec) -> ChoiceDecoder:
         return ChoiceDecoder(state.tokenizer, spec, eos)
 
-    return with_deadline(run_choices(ctx, run.prep.worker_requests, make_decoder), state.settings.request_timeout_s)
+    return with_deadline(run_choices(ctx, run.prep.worker_requests, make_decoder), state.settings.request_timeout_s,
+                         state.metrics)  # fmt: skip
 
 
 async def serve_generation(
@@ -258,7 +262,7 @@ async def serve_generation(
     span = start_request_span(state.tracing, request, id_prefix, state.settings.model_name, request_id)
     try:
         assert state.pools is not None
-        overloaded = overload_error(state.pools, state.settings.max_queued_requests)
+        overloaded = overload_error(state.pools, state.settings.max_queued_requests, state.metrics)
         if overloaded is not None:
             raise overloaded
         # Off the event loop: a long prompt's chat template and tokenization must not stall other requests.
@@ -389,6 +393,7 @@ def create_app(
         tokenizer, model_config = tokenizer or loaded_tokenizer, model_config or loaded_config
     tracing = Tracing("cleave-router", settings.otlp_traces_endpoint)
     state = RouterState(settings, tokenizer, model_config, metrics or RouterMetrics(), tracing)
+    state.metrics.watch_state(RouterStateCollector(state))
     created = int(time.time())
 
     @asynccontextmanager

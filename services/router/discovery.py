@@ -50,6 +50,7 @@ class RegistryWatcher:
         self.num_reads = 0
         self._run_id: str | None = None  # the Redis server's; a new one means it restarted empty
         self._grace_until = 0.0  # missing entries do not remove workers before this (monotonic)
+        self.backoff = Backoff("router registry watch", interval_s)  # also Redis's state for the metrics
 
     def pool(self, role: str) -> WorkerPool | None:
         return {"prefill": self.pools.prefill, "decode": self.pools.decode}.get(role)
@@ -70,7 +71,7 @@ class RegistryWatcher:
         self._grace_until = time.monotonic() + REREGISTER_GRACE_S
 
     async def run(self) -> None:
-        backoff = Backoff("router registry watch", self.interval_s)
+        backoff = self.backoff
         while True:
             try:
                 await self.read_once()

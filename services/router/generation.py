@@ -182,6 +182,8 @@ async def _prefill(
         except NoWorkerAvailable as e:
             logger.info("prefill_fallback request_id=%s reason=%r", spec.request_id, str(e))
             return None
+        if tried:  # an earlier prefill worker was unreachable
+            ctx.metrics.retries.labels("prefill").inc()
         with worker.track(route.prefill_blocks(ctx, worker) if route else 0):
             try:
                 return worker, await worker.stub.Prefill(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
@@ -242,12 +244,21 @@ async def _decode(
     generated.extend(request.generated_token_ids)
     num_migrations = 0
     broken: APIError | None = None  # why the last stream failed, if one did
+    # Whether the next pick resumes a broken stream (a migration) or re-sends a call that never reached its
+    # worker (a retry); each broken stream counts once under one outcome.
+    moving = retrying = False
     while True:
         try:
             worker = preferred or await _pick(ctx, pool, tried, choose)
         except NoWorkerAvailable as e:
+            if moving:
+                ctx.metrics.migrations.labels("no_worker").inc()
             raise broken or APIError(503, str(e), "service_unavailable") from None
-        preferred = None
+        if moving:
+            ctx.metrics.migrations.labels("migrated").inc()
+        elif retrying:
+            ctx.metrics.retries.labels("decode").inc()
+        preferred, moving, retrying = None, False, False
         try:
             async for response in _decode_on(ctx, pool, worker, request, route):
                 generated.extend(t.token_id for t in response.tokens)
@@ -255,12 +266,15 @@ async def _decode(
             return
         except WorkerUnreachable:
             tried.add(worker.address)
+            retrying = True
         except StreamBroke as broke:
             tried.add(worker.address)
             # A forked request (n > 1 on the worker) has one token list per sample: not migrated.
             if num_migrations >= ctx.migration_limit or request.sampling.n > 1:
+                ctx.metrics.migrations.labels("refused").inc()
                 raise broke.error from None
             num_migrations += 1
+            moving = True
             logger.warning("stream_migrated request_id=%s from=%s generated=%d migration=%d reason=%r",
                            request.request_id, worker.address, len(generated), num_migrations, broke.error.message)  # fmt: skip
             request = migrated_request(request, generated)

@@ -48,6 +48,7 @@ class KVEventReader:
         self.streams: dict[str, StreamState] = {}  # worker id -> position
         self.num_batches = 0
         self.num_resyncs = 0
+        self.backoff = Backoff("router kv events", READ_BLOCK_MS / 1000)  # also Redis's state for the metrics
 
     def _sync_workers(self) -> None:
         live = {wid for wid, entry in self.watcher.entries.items() if entry.kv_events}
@@ -115,7 +116,7 @@ class KVEventReader:
         )
 
     async def run(self) -> None:
-        backoff = Backoff("router kv events", READ_BLOCK_MS / 1000)
+        backoff = self.backoff
         while True:
             try:
                 await self.read_once()

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import TypeVar
 
+from services.router.metrics import RouterMetrics
 from services.router.protocol import APIError
 from services.router.workers import WorkerPools
 
@@ -35,13 +36,16 @@ def api_key_error(authorization: str | None, api_key: str) -> APIError | None:
     return None
 
 
-def overload_error(pools: WorkerPools, max_queued: int) -> APIError | None:
-    """429 when every healthy worker of a pool in use has ``max_queued`` of this router's calls open."""
+def overload_error(pools: WorkerPools, max_queued: int, metrics: RouterMetrics | None = None) -> APIError | None:
+    """429 when every healthy worker of a pool in use has ``max_queued`` of this router's calls open
+    (counted in ``metrics`` by the pool's role)."""
     if max_queued <= 0:
         return None
     for pool in (pools.decode, pools.prefill):
         healthy = pool.healthy_workers()
         if healthy and all(w.num_in_flight >= max_queued for w in healthy):
+            if metrics is not None:
+                metrics.rejected.labels(pool.role).inc()
             return APIError(
                 429,
                 f"every {pool.role} worker has {max_queued} requests queued (--max-queued-requests); retry in "
@@ -60,8 +64,11 @@ def timeout_error(timeout_s: float) -> APIError:
     return APIError(504, f"the request ran longer than --request-timeout ({timeout_s:g}s)", "timeout_error")
 
 
-async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float | None) -> AsyncGenerator[T, None]:
-    """``events`` until ``timeout_s`` have passed, then a 504 ``APIError`` (``events`` is closed)."""
+async def with_deadline(
+    events: AsyncGenerator[T, None], timeout_s: float | None, metrics: RouterMetrics | None = None
+) -> AsyncGenerator[T, None]:
+    """``events`` until ``timeout_s`` have passed, then a 504 ``APIError`` (``events`` is closed;
+    the timeout is counted in ``metrics``)."""
     if not timeout_s:
         async for item in events:
             yield item
@@ -74,6 +81,8 @@ async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float | None
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                if metrics is not None:
+                    metrics.timeouts.inc()
                 raise timeout_error(timeout_s) from None
             yield item
     finally:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
+
+ROLES = ("prefill", "decode")
+MIGRATION_OUTCOMES = ("migrated", "refused", "no_worker")
 
 # Latency buckets in seconds, spanning sub-millisecond ITL to multi-minute generations.
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -79,6 +83,48 @@ class RouterMetrics:
             ["role", "address"],
             registry=r,
         )
+        self._add_control_plane(r)
+        self._state_collector: Collector | None = None
+
+    def _add_control_plane(self, r: CollectorRegistry) -> None:
+        """Retries, migrations, backpressure and deadlines; every label set starts at 0 so that a
+        dashboard shows a flat line, not "no data", until the first event."""
+        self.retries = Counter(
+            "cleave_router_retries_total",
+            "Worker calls sent to another worker of the pool after the first one was unreachable, by pool role.",
+            ["role"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "cleave_router_migrations_total",
+            "Decode streams that broke mid-generation, by outcome: migrated (resumed on another decode worker), "
+            "refused (--migration-limit reached, or a forked n>1 request), no_worker (no other decode worker).",
+            ["outcome"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "cleave_router_rejected_requests_total",
+            "Requests answered 429 because every healthy worker of a pool had --max-queued-requests calls open.",
+            ["role"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "cleave_router_request_timeouts_total",
+            "Requests that ran longer than --request-timeout (answered 504 or ended by an error event).",
+            registry=r,
+        )
+        for role in ROLES:
+            self.retries.labels(role)
+            self.rejected.labels(role)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
+
+    def watch_state(self, collector: Collector) -> None:
+        """Serve the series ``collector`` reads from the router's state (one at a time)."""
+        if self._state_collector is not None:
+            self.registry.unregister(self._state_collector)
+        self._state_collector = collector
+        self.registry.register(collector)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

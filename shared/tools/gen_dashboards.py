@@ -135,6 +135,34 @@ def router() -> list[dict]:
               [("{{role}} {{address}}", "cleave_router_worker_healthy")]),
         panel("Requests in flight", "short", "HTTP generation requests the router is serving now.",
               [("in flight", "sum(cleave_router_requests_running)")]),
+        *control_plane(),
+    ]  # fmt: skip
+
+
+def control_plane() -> list[dict]:
+    """Router panels for what keeps requests flowing when workers come, go and fill up."""
+    return [
+        panel("Retries/s", "short", "Worker calls sent to another worker of the pool after one was unreachable.",
+              [("{{role}}", f"sum by (role) (rate(cleave_router_retries_total[{RATE}]))")]),
+        panel("Migrations/s", "short", "Decode streams that broke mid-generation, by outcome: migrated to another "
+              "decode worker, refused (--migration-limit, n>1), or no_worker left.",
+              [("{{outcome}}", f"sum by (outcome) (rate(cleave_router_migrations_total[{RATE}]))")]),
+        panel("Rejected (429)/s", "reqps", "Requests refused with 429 because every worker of a pool had "
+              "--max-queued-requests calls open, by pool.",
+              [("{{role}}", f"sum by (role) (rate(cleave_router_rejected_requests_total[{RATE}]))")]),
+        panel("Request timeouts/s", "reqps", "Requests that ran longer than --request-timeout.",
+              [("timeouts", f"sum(rate(cleave_router_request_timeouts_total[{RATE}]))")]),
+        panel("Pool workers", "short", "Workers in each pool, from static flags or the Redis registry.",
+              [("{{role}} {{source}}", "sum by (role, source) (cleave_router_pool_workers)")]),
+        panel("Redis up", "bool", "1 when the router's last Redis call succeeded (registry watch, KV events).",
+              [("{{instance}} {{component}}", "cleave_router_redis_up")]),
+        panel("Redis reconnects", "short", "Redis outages the router came back from, in the interval.",
+              [("{{component}}", f"sum by (component) (increase(cleave_router_redis_reconnects_total[{RATE}]))")]),
+        panel("KV index entries", "short", "(block hash, worker) pairs in the router's KV index (kv_aware routing).",
+              [("{{instance}}", "sum by (instance) (cleave_router_kv_index_entries)")]),
+        panel("KV index drops/s", "short", "KV index entries dropped, oldest first, to stay within "
+              "--kv-index-max-entries.",
+              [("{{instance}}", f"sum by (instance) (rate(cleave_router_kv_index_dropped_total[{RATE}]))")]),
     ]  # fmt: skip
 
 

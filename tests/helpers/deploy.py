@@ -65,13 +65,14 @@ def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
 
 
 @functools.cache
-def compose_config(*profiles: str) -> dict:
-    """``docker-compose config`` of the compose file (every profile by default), parsed."""
+def compose_config(*profiles: str, shell: tuple[tuple[str, str], ...] = ()) -> dict:
+    """``docker-compose config`` of the compose file (every profile by default), parsed; ``shell``: (name, value) pairs
+    of variables set in the calling shell."""
     profiles = profiles or ("tracing",)
     args = [a for p in profiles for a in ("--profile", p)]
     result = subprocess.run(
         ["docker-compose", "-f", str(COMPOSE_FILE), *args, "config"],
-        capture_output=True, text=True, cwd=REPO, timeout=60, env={"PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, cwd=REPO, timeout=60, env={"PATH": "/usr/bin:/bin", **dict(shell)},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.integration.cluster import start_router, start_worker, wait_worker
+from tests.integration.cluster import scrape, start_router, start_worker, wait_worker
 from tests.integration.test_cluster import load_stats, wait_all_free
 
 NUM_STREAMS = 20
@@ -96,7 +96,9 @@ def test_streams_migrate_and_match_an_uninterrupted_run(fleet):
     streams.join()
     assert streams.errors == [None] * NUM_STREAMS
     assert streams.texts == reference.texts
-    assert "stream_migrated" in "".join(router.lines)
+    num_moved = "".join(router.lines).count("stream_migrated")
+    assert num_moved > 0
+    assert scrape(base.rsplit(":", 1)[1], 'cleave_router_migrations_total{outcome="migrated"}') == num_moved
     survivors = [d for d in procs[1:] if d is not victim]
     wait_all_free(procs[0], *survivors)
     procs.remove(victim)
@@ -119,5 +121,6 @@ def test_without_migration_each_broken_stream_ends_with_an_error_within_a_second
     for i in broken:
         assert isinstance(streams.errors[i], openai.APIError)
         assert streams.ended_at[i] - killed_at < 1.0, f"stream {i} ended {streams.ended_at[i] - killed_at:.2f}s late"
+    assert scrape(base.rsplit(":", 1)[1], 'cleave_router_migrations_total{outcome="refused"}') == len(broken)
     survivor = next(d for d in decodes if d is not victim)
     wait_all_free(procs[0], survivor)

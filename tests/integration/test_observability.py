@@ -1,11 +1,13 @@
 """What an operator sees of a real cluster (router + prefill + decode processes):
 every /metrics endpoint passes Prometheus's own linter, every query of the
 Grafana dashboard returns data from a real Prometheus scraping the cluster after
-a short workload that includes a failed KV pull, and one request is one
+a short workload that includes a failed KV pull (workers found through a real
+Redis, so the registry, Redis and KV index panels have data too), and one request is one
 OpenTelemetry trace across the three processes (a local OTLP receiver)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -16,9 +18,11 @@ import grpc
 import openai
 import pytest
 
+from services.common.registry import connect, read_registry
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
 from shared.tools.gen_dashboards import DASHBOARD_PATH
+from tests.helpers.redis_server import RedisServer
 from tests.integration.cluster import scrape, start_router, start_worker, wait_worker
 from tests.integration.otlp_receiver import OTLPReceiver
 from tests.integration.prometheus import Prometheus
@@ -31,19 +35,36 @@ LEASE_S = 3
 VARIABLES = {"$__rate_interval": "1m", "$pool": ".*", "$instance": ".*"}
 
 
+def wait_discovered(base: str, timeout: float = 60) -> None:
+    """Until the router has found a healthy worker of each pool in the registry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+            health = json.loads(resp.read())
+        if all(any(w["healthy"] for w in health[role]) for role in ("prefill", "decode")):
+            return
+        assert time.monotonic() < deadline, f"the router never discovered both workers: {health}"
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     receiver = OTLPReceiver()
+    redis = RedisServer()
+    redis.start()
     tracing = ["--otlp-traces-endpoint", receiver.endpoint, "--log-format", "json"]
-    extra = ["--kv-transfer-backend", "tcp", *tracing]
+    extra = ["--kv-transfer-backend", "tcp", "--redis-url", redis.url, *tracing]
     prefill = start_worker("prefill", model_dir, *extra, "--kv-lease-seconds", str(LEASE_S))
     decode = start_worker("decode", model_dir, *extra)
     procs = [prefill, decode]
     try:
         for p in procs:
             wait_worker(p)
-        router, base = start_router(model_dir, [prefill], [decode], *tracing)
+        # Workers found through Redis, kv_aware routing (the default with Redis), every prompt disaggregated.
+        router, base = start_router(model_dir, [], [], "--redis-url", redis.url, "--disagg-min-uncached-tokens", "0",
+                                    *tracing)  # fmt: skip
         procs.append(router)
+        wait_discovered(base)
         ports = {"router": base.rsplit(":", 1)[1], "prefill": prefill.info["metrics_port"],
                  "decode": decode.info["metrics_port"]}  # fmt: skip
         prom = Prometheus(tmp_path_factory.mktemp("prometheus"),
@@ -52,13 +73,14 @@ def cluster(model_dir, tmp_path_factory):
             prom.wait_ready()
             prom.wait_scraping(len(ports))
             yield {"prefill": prefill, "decode": decode, "router": router, "base": base, "ports": ports, "prometheus": prom,
-                   "receiver": receiver}  # fmt: skip
+                   "receiver": receiver, "redis": redis}  # fmt: skip
         finally:
             prom.stop()
     finally:
         for p in procs:
             p.stop()
         receiver.stop()
+        redis.stop()
 
 
 def sampling() -> pb.SamplingParams:
@@ -123,6 +145,22 @@ def test_each_process_serves_only_its_own_metrics(workload):
     assert scrape(ports["prefill"], "cleave_kv_transfer_bytes_total") == 0  # pulls count where they land
 
 
+def test_registry_entries_carry_each_workers_metrics_address(workload):
+    async def entries():
+        client = connect(workload["redis"].url)
+        try:
+            return await read_registry(client)
+        finally:
+            await client.aclose()
+
+    by_role = {e.role: e for e in asyncio.run(entries())}
+    assert set(by_role) == {"prefill", "decode"}
+    for role, entry in by_role.items():
+        assert entry.metrics_addr.endswith(f":{workload['ports'][role]}")
+        with urllib.request.urlopen(f"http://{entry.metrics_addr}/metrics", timeout=10) as resp:
+            assert f'role="{role}",worker_id="{entry.worker_id}"'.encode() in resp.read()
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     dashboard = json.loads(DASHBOARD_PATH.read_text())
     queries = []
@@ -153,6 +191,15 @@ def test_every_dashboard_query_returns_data(workload):
         time.sleep(0.5)
     failures = prom.query(dict(queries)["KV pull failures/s / A"])
     assert max(float(sample["value"][1]) for sample in failures) > 0
+    pools = {(s["metric"]["role"], s["metric"]["source"]): float(s["value"][1])
+             for s in prom.query(dict(queries)["Pool workers / A"])}  # fmt: skip
+    assert pools == {("prefill", "registry"): 1, ("prefill", "static"): 0, ("decode", "registry"): 1,
+                     ("decode", "static"): 0}  # fmt: skip
+    assert {s["metric"]["component"]: s["value"][1] for s in prom.query("cleave_router_redis_up")} == {
+        "registry": "1", "kv_events": "1"}  # fmt: skip
+    while not prom.query("cleave_router_kv_index_entries > 0"):  # the workload's blocks, from the event streams
+        assert time.monotonic() < deadline, "the router's KV index stayed empty"
+        time.sleep(0.5)
 
 
 def wait_spans(receiver, done, timeout: float = 60):

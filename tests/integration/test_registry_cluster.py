@@ -95,6 +95,10 @@ def test_registry_discovery_expiry_and_outage(model_dir, redis_server):
         log = "".join(router.lines)
         assert "worker_forgotten role=decode address=" + first.info["grpc"] in log
         assert "redis_unavailable" in log and "redis_reconnected" in log
+        port = base.rsplit(":", 1)[1]
+        assert scrape(port, 'cleave_router_redis_reconnects_total{component="registry"}') >= 1
+        assert scrape(port, 'cleave_router_redis_up{component="registry"}') == 1
+        assert scrape(port, 'cleave_router_pool_workers{role="decode",source="registry"}') == 2
     finally:
         for p in procs:
             p.stop()

@@ -22,9 +22,6 @@ from shared.cli import build_parser as cleave_parser
 from shared.tools.smoke import build_parser as smoke_parser
 from tests.helpers.deploy import VALUES_SETS, compose_config, pod_specs, render
 
-# Variables the deployment sets for flags that discovery (Redis), tracing and API keys add. Until a
-# parser defines them they are allowed here; once it does, they are checked like every other one.
-AWAITED = {"CLEAVE_REDIS_URL", "CLEAVE_OTLP_TRACES_ENDPOINT", "CLEAVE_API_KEY"}
 # What the downward API and Secrets would put into the environment.
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "t-cleave-decode-5d9c7-abcde"}
 
@@ -60,7 +57,7 @@ def check_command(where: str, argv: list[str], env: dict[str, str]) -> None:
             parse_settings(rest, env)
     except SystemExit as e:
         pytest.fail(f"{where}: `{' '.join(argv)}` with {env} does not parse (exit {e.code})")
-    unread = {name for name in env if name.startswith("CLEAVE_")} - set(flags.env_actions(parser)) - AWAITED
+    unread = {name for name in env if name.startswith("CLEAVE_")} - set(flags.env_actions(parser))
     assert not unread, f"{where}: no flag of `{command}` reads {sorted(unread)}"
 
 
@@ -95,8 +92,25 @@ def test_compose_command_lines_parse() -> None:
     cleave = {name: s for name, s in services.items() if s["image"].startswith("cleave:")}
     assert set(cleave) == {"demo-model", "router", "prefill", "decode"}
     for name, service in cleave.items():
-        env = {k: "" if v is None else str(v) for k, v in (service.get("environment") or {}).items()}
-        check_command(f"compose/{name}", ["cleave", *service["command"]], env)
+        check_command(f"compose/{name}", ["cleave", *service["command"]], _compose_env(service))
+
+
+def _compose_env(service: dict) -> dict[str, str]:
+    # A variable without a value passes through from the shell, and is unset when the shell has none.
+    return {k: str(v) for k, v in (service.get("environment") or {}).items() if v is not None}
+
+
+def test_compose_router_finds_workers_in_redis_and_takes_the_api_key_from_the_shell() -> None:
+    router = compose_config()["services"]["router"]
+    env = _compose_env(router)
+    assert env["CLEAVE_REDIS_URL"] == "redis://redis:6379/0" and "CLEAVE_API_KEY" not in env
+    assert not {"CLEAVE_PREFILL_WORKER", "CLEAVE_DECODE_WORKER"} & set(env)
+    keyed = compose_config(shell=(("CLEAVE_API_KEY", "k3y"),))["services"]["router"]
+    assert _compose_env(keyed)["CLEAVE_API_KEY"] == "k3y"
+    check_command("compose/router", ["cleave", *keyed["command"]], _compose_env(keyed))
+    settings = parse_settings(keyed["command"][1:], _compose_env(keyed))
+    assert settings.api_key == "k3y" and settings.redis_url == "redis://redis:6379/0"
+    assert settings.routing_policy == "kv_aware"
 
 
 def test_a_renamed_flag_is_caught() -> None:

@@ -101,6 +101,22 @@ def test_external_redis_replaces_the_built_in_one() -> None:
     assert _by_kind(docs, "Ingress")["t-cleave-router"]["spec"]["rules"][0]["host"] == "llm.example.org"
 
 
+def _router_env(values_set: str) -> dict[str, str | None]:
+    router = _by_kind(render(values_set), "Deployment")["t-cleave-router"]["spec"]["template"]["spec"]
+    return {e["name"]: e.get("value") for e in router["containers"][0]["env"]}
+
+
+def test_router_discovers_workers_in_redis_or_reaches_the_services_without_it() -> None:
+    with_redis = _router_env("default")
+    assert with_redis["CLEAVE_REDIS_URL"] == "redis://t-cleave-redis:6379/0"
+    # Every worker pod registers itself: a Service address would be one more "worker" hiding several.
+    assert not {"CLEAVE_PREFILL_WORKER", "CLEAVE_DECODE_WORKER", "CLEAVE_ROUTING_POLICY"} & set(with_redis)
+    static = _router_env("static-values")
+    assert "CLEAVE_REDIS_URL" not in static and static["CLEAVE_ROUTING_POLICY"] == "least_loaded"
+    assert static["CLEAVE_PREFILL_WORKER"] == "t-cleave-prefill:50051"
+    assert static["CLEAVE_DECODE_WORKER"] == "t-cleave-decode:50051"
+
+
 def test_autoscaling_and_monitors_follow_the_capabilities() -> None:
     docs = render("autoscaling-values")
     (hpa,) = _by_kind(docs, "HorizontalPodAutoscaler").values()

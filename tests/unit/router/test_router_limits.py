@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from shared.tools.smoke import smoke
 from tests.unit.router.conftest import MODEL_NAME
 
 
@@ -61,3 +62,10 @@ def test_request_timeout(router_factory, script, stream):
         assert "--request-timeout" in response.text and response.text.rstrip().endswith("data: [DONE]")
     else:
         assert response.status_code == 504 and "--request-timeout" in response.json()["error"]["message"]
+
+
+def test_smoke_check_sends_the_api_key(router_factory, script):
+    router = router_factory(prefill=False, api_key="s3cret")
+    assert smoke(router.url, 5.0, "s3cret")
+    with pytest.raises(SystemExit, match="401"):
+        smoke(router.url, 0.0, None)

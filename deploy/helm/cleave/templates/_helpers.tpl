@@ -123,14 +123,19 @@ read by the same configuration layer as the command-line flags.
   value: 0.0.0.0
 - name: CLEAVE_PORT
   value: {{ .Values.router.port | quote }}
+{{- /* With Redis the router finds every worker pod in the registry; the Services are for the rest. */}}
+{{- if not (include "cleave.redisUrl" .) }}
 {{- if .Values.prefill.enabled }}
 - name: CLEAVE_PREFILL_WORKER
   value: {{ include "cleave.fullname" . }}-prefill:50051
 {{- end }}
 - name: CLEAVE_DECODE_WORKER
   value: {{ include "cleave.fullname" . }}-decode:50051
+{{- end }}
+{{- with .Values.router.routingPolicy }}
 - name: CLEAVE_ROUTING_POLICY
-  value: {{ .Values.router.routingPolicy | quote }}
+  value: {{ . | quote }}
+{{- end }}
 - name: CLEAVE_DISAGG_MIN_PROMPT_TOKENS
   value: {{ .Values.router.disaggMinPromptTokens | quote }}
 {{- with .Values.model.servedModelName }}
