@@ -334,6 +334,7 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
     route = await plan_route(ctx, spec)
     disaggregate = (
         spec.params.n == 1  # a fork prefills once on the decode worker
+        and not spec.params.use_beam_search  # beam search runs whole on the decode worker
         and bool(ctx.pools.prefill)
         and (spec.params.max_tokens or 0) > 1
         and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens

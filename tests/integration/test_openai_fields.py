@@ -186,3 +186,45 @@ def test_n_is_one_engine_fork_equal_to_the_offline_engine(servers, model_dir, pa
     got = {c.index: c.model_dump()["token_ids"] for c in out.choices}
     assert [got[i] for i in range(4)] == [o.token_ids for o in expected.outputs]
     assert len({tuple(ids) for ids in got.values()}) > 1
+
+
+# ---- beam search: runs whole on the decode worker on both paths ---------------------------------------
+
+
+@pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
+def test_beam_search_equals_transformers(servers, model_dir, path):
+    from tests.unit.engine.test_beam_search import hf_beam_search
+
+    llm_tokenizer = LLM(model=str(model_dir), dtype="float32", num_blocks=64).tokenizer
+    prompt_ids = llm_tokenizer.encode(PROMPT)
+    expected = hf_beam_search(
+        model_dir, prompt_ids, num_beams=4, num_return=3, max_tokens=8, length_penalty=0.5, early_stopping=False
+    )
+    out = client(servers, path).completions.create(
+        model=servers["name"], prompt=PROMPT, max_tokens=8, n=3,
+        extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "return_token_ids": True},
+    )  # fmt: skip
+    got = {c.index: c.model_dump()["token_ids"] for c in out.choices}
+    assert [got[i] for i in range(3)] == expected
+    assert out.usage.completion_tokens == sum(len(ids) for ids in expected)
+    chunks = client(servers, path).completions.create(
+        model=servers["name"], prompt=PROMPT, max_tokens=8, n=3, stream=True,
+        extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_beam_search_refusals_name_the_field(servers):
+    base = {"model": servers["name"], "prompt": PROMPT, "max_tokens": 4}
+    for extra, param in [
+        ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 3}, "best_of"),
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+        ({"length_penalty": 2.0}, "length_penalty"),
+    ]:
+        response = httpx.post(f"{servers['aggregated']}/v1/completions", json={**base, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (extra, response.text)

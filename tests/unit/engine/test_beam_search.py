@@ -25,8 +25,10 @@ def hf_beam_search(
     eos = model.generation_config.eos_token_id
     eos_ids = [*(eos if isinstance(eos, list) else [eos]), *stop_token_ids]
     with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        # An explicit mask: pad_token_id may equal the prompt's BOS, which generate() would then mask out.
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, num_beams=num_beams,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, num_beams=num_beams,
             num_return_sequences=num_return, length_penalty=length_penalty, early_stopping=early_stopping,
             eos_token_id=eos_ids, pad_token_id=0,
         )  # fmt: skip
