@@ -65,6 +65,8 @@ class CallContext:
 
     tracing: Tracing | None = None
     trace_parent: Context | None = None  # holds the request's span: parent of the route spans
+    # Samples of forked requests the router cut (stop strings): their worker ends them at once.
+    cut_samples: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -289,6 +291,8 @@ async def _decode_on(
                 yield response
                 if finished:
                     return
+                if ctx.cut_samples:
+                    _stop_cut_samples(ctx, pool, worker, request.request_id)
             raise StreamBroke(
                 APIError(
                     500, f"decode worker {worker.address} ended the stream without a finish reason", "server_error"
@@ -324,6 +328,13 @@ async def plan_route(ctx: CallContext, spec: ChoiceSpec) -> Route | None:
     except NoWorkerAvailable as e:
         raise APIError(503, str(e), "service_unavailable") from None
     return Route(blocks, decode_worker, kv.overlap(decode_worker, blocks))
+
+
+def _stop_cut_samples(ctx: CallContext, pool: WorkerPool, worker: WorkerClient, request_id: str) -> None:
+    """Ask ``worker`` to end the samples of fork ``request_id`` that the router cut at a stop string."""
+    for sample_id in [s for s in ctx.cut_samples if s == request_id or s.startswith(f"{request_id}/")]:
+        ctx.cut_samples.discard(sample_id)
+        pool.abort(worker, sample_id, ctx.metadata, sample_only=True)
 
 
 async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
@@ -496,7 +507,9 @@ async def run_choices(
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run_one(spec: ChoiceSpec) -> None:
-        decoders = {child.index: make_decoder(child) for child in fork_children(spec)}
+        children = fork_children(spec)
+        decoders = {child.index: make_decoder(child) for child in children}
+        sample_ids = {child.index: child.request_id for child in children}
         stream = worker_tokens(ctx, spec)
         try:
             async for response in stream:
@@ -506,6 +519,8 @@ async def run_choices(
                 delta = decoder.add(response)
                 ctx.timer.on_tokens(delta.index, delta.num_tokens)
                 queue.put_nowait(delta)
+                if delta.finish_reason and not response.finish_reason and len(children) > 1:
+                    ctx.cut_samples.add(sample_ids[delta.index])  # a stop string: the worker can stop it now
                 if delta.finish_reason:
                     ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
                     if all(d.finish_reason is not None for d in decoders.values()):

@@ -52,6 +52,7 @@ class WorkerScript:
     prefill_requests: list = field(default_factory=list)
     generate_requests: list = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    aborted_samples: list[str] = field(default_factory=list)  # Abort(sample_only): one sample of a fork
     released: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
@@ -109,7 +110,10 @@ class _Health:
         return worker_pb2.LoadStatsResponse(num_free_blocks=100, num_total_blocks=100)
 
     def Abort(self, request, context):
-        self.script.aborted.append(request.request_id)
+        if request.sample_only:
+            self.script.aborted_samples.append(request.request_id)
+        else:
+            self.script.aborted.append(request.request_id)
         return worker_pb2.AbortResponse(found=True)
 
 

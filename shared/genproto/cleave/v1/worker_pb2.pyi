@@ -190,10 +190,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenOutput, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "sample_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    sample_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., sample_only: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
