@@ -66,8 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=int(env_default("--max-num-batched-tokens", 2048)),
-        help="token budget per engine step",
+        default=int(env_default("--max-num-batched-tokens", 0)),
+        help="token budget per engine step; 0: 2048 on CUDA, 256 on CPU, where it keeps one step (and so the "
+        "wait for an abort to free blocks) under a second",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=int(env_default("--max-num-seqs", 256)), help="running requests at most"

@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GiB = 1 << 30
+CUDA_STEP_TOKENS = 2048
+# Aborts take effect between steps. On 2 CPU cores a 3,315-token prefill of the demo model
+# takes 1.04 s as one 2,048-token step and at most 0.24 s per step at 256 tokens, in the same
+# total time (1.8 s vs 1.7 s), so a client that hangs up gets its blocks back well within a second.
+CPU_STEP_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,8 @@ class EngineConfig:
     kv_cache_memory: int = 2 * GiB  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + KV cache on CUDA
     num_blocks: int | None = None  # overrides the memory-derived block count (tests)
-    max_num_batched_tokens: int = 2048  # token budget per step
+    # Token budget per step; 0: CUDA_STEP_TOKENS on CUDA, CPU_STEP_TOKENS on CPU (see there).
+    max_num_batched_tokens: int = 0
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -31,8 +37,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError("max_num_batched_tokens must be >= 1, or 0 for the device's default")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory < 1:

@@ -1,7 +1,9 @@
 """``cleave serve``: router + prefill workers + decode workers as processes.
 
 Starts the services by module name, waits until every one is healthy, prints
-the URL and an example request, and stops every child on Ctrl-C or SIGTERM.
+the URL and an example request. A service that exits is restarted with backoff
+on the same address while the others keep serving; only Ctrl-C or SIGTERM stops
+every child.
 Unknown flags are passed to every worker (engine flags such as
 ``--kv-cache-memory``).
 """
@@ -9,11 +11,11 @@ Unknown flags are passed to every worker (engine flags such as
 from __future__ import annotations
 
 import argparse
-import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -21,8 +23,7 @@ from pathlib import Path
 from shared import flags
 from shared.cli import DEFAULT_MODEL_DIR, env_default
 from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
-
-READY_TIMEOUT_S = 300
+from shared.supervisor import READY_TIMEOUT_S, Supervisor, child_setup
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,94 +48,40 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return flags.parse_known_args(parser, argv)
 
 
-class Cluster:
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, module: str, args: list[str], name: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, text=True, bufsize=1,
-            preexec_fn=_child_setup,
-        )  # fmt: skip
-        proc.name = name  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
-
-    def start_redis(self, host: str) -> str:
-        """A local redis-server child on a free port (no persistence); returns its URL."""
-        import shutil
-        import socket
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("--redis needs redis-server on PATH (Debian: apt-get install redis-server)")
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        cmd = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=_child_setup)
-        proc.name = "redis"  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection((host, port), timeout=0.5):
-                    return f"redis://{host}:{port}/0"
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on {host}:{port}") from None
-                time.sleep(0.05)
-
-    def wait_ready_line(self, proc: subprocess.Popen) -> dict[str, str]:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        assert proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{proc.name} exited with code {proc.wait()} before becoming ready")  # type: ignore[attr-defined]
-            if line.startswith("CLEAVE_READY"):
-                threading.Thread(target=_drain, args=(proc,), daemon=True).start()
-                return dict(part.split("=", 1) for part in line.split()[1:])
-            print(line, end="")
-        raise RuntimeError(f"{proc.name} not ready after {READY_TIMEOUT_S}s")  # type: ignore[attr-defined]
-
-    def stop(self) -> None:
-        # Redis last, so that stopping workers can still deregister.
-        services = [p for p in self.procs if p.name != "redis"]  # type: ignore[attr-defined]
-        self._stop(services)
-        self._stop([p for p in self.procs if p not in services])
-
-    @staticmethod
-    def _stop(procs: list[subprocess.Popen]) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+def start_redis(host: str) -> tuple[subprocess.Popen, str]:
+    """A local redis-server child on a free port (no persistence); returns it and its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("--redis needs redis-server on PATH (Debian: apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    cmd = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=child_setup)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return proc, f"redis://{host}:{port}/0"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start on {host}:{port}") from None
+            time.sleep(0.05)
 
 
-def _child_setup() -> None:
-    """In the child: its own session (Ctrl-C reaches only the launcher, which stops
-    children in order), and SIGTERM if the launcher dies without cleaning up."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _drain(proc: subprocess.Popen) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print(line, end="")
+def stop_redis(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-def wait_http_ok(url: str, proc: subprocess.Popen, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_http_ok(url: str, proc: subprocess.Popen | None, timeout_s: float = READY_TIMEOUT_S) -> None:
+    assert proc is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -175,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_workers < 1:
         raise SystemExit("error: --decode-workers must be >= 1")
     args.model = ensure_model(args.model)
-    cluster = Cluster()
+    cluster = Supervisor()
+    redis_proc: subprocess.Popen | None = None
     # Both signals stop the cluster, also when started in the background (where SIGINT starts out ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -189,37 +137,38 @@ def main(argv: list[str] | None = None) -> int:
         common += shared_flags
         redis_args: list[str] = []
         if args.redis:
-            redis_url = cluster.start_redis(args.host)
+            redis_proc, redis_url = start_redis(args.host)
             redis_args = ["--redis-url", redis_url]
             common += redis_args
             print(f"redis ready url={redis_url}", flush=True)
         pending = [
-            cluster.start("services.prefill_worker", common, f"prefill-{i}") for i in range(args.prefill_workers)
+            cluster.start(f"prefill-{i}", "services.prefill_worker", common) for i in range(args.prefill_workers)
         ]
-        pending += [cluster.start("services.decode_worker", common, f"decode-{i}") for i in range(args.decode_workers)]
+        pending += [cluster.start(f"decode-{i}", "services.decode_worker", common) for i in range(args.decode_workers)]
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip
-        for proc in pending:
-            info = cluster.wait_ready_line(proc)
+        for child in pending:
+            info = cluster.wait_ready_line(child)
             flag = "--prefill-worker" if info["role"] == "prefill" else "--decode-worker"
             router_args += [flag, info["grpc"]]
+            # A restart comes back on the same address (and metrics port), which the router knows.
+            cluster.pin(child, "--port", info["grpc"].rsplit(":", 1)[1])
+            if int(info["metrics_port"]) > 0:
+                cluster.pin(child, "--metrics-port", info["metrics_port"])
             metrics = "off" if info["metrics_port"] == "-1" else f"http://{args.host}:{info['metrics_port']}/metrics"
-            print(f"{proc.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "  # type: ignore[attr-defined]
+            print(f"{child.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "
                   f"metrics={metrics}", flush=True)  # fmt: skip
-        router = cluster.start("services.router", router_args, "router")
-        threading.Thread(target=_drain, args=(router,), daemon=True).start()
+        router = cluster.start("router", "services.router", router_args)
+        cluster.drain(router)
         base = f"http://{args.host}:{args.port}"
-        wait_http_ok(base + "/health", router)
+        wait_http_ok(base + "/health", router.proc)
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served_model_name(args.model)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one sentence.\"}}], \"max_tokens\": 32}}'\n"
               f"  router metrics: {base}/metrics\n"
               "Press Ctrl-C to stop.", flush=True)  # fmt: skip
-        while all(p.poll() is None for p in cluster.procs):
-            time.sleep(0.5)
-        dead = [p.name for p in cluster.procs if p.poll() is not None]  # type: ignore[attr-defined]
-        print(f"error: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
-        return 1
+        cluster.run_until_stopped()
+        return 0
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
@@ -228,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         cluster.stop()
+        stop_redis(redis_proc)  # last, so that stopping workers can still deregister
 
 
 if __name__ == "__main__":

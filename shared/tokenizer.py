@@ -8,6 +8,7 @@ outputs are identical to a Hugging Face run of the same checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -184,6 +185,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (the model's embedding may be larger)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest token (added ones included): ``n`` characters need at least
+        ``n / max_token_chars`` tokens, which bounds a prompt's length before it is tokenized."""
+        return max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @property
     def all_special_ids(self) -> list[int]:

@@ -119,6 +119,7 @@ class WorkerMetrics:
         self._advance(self.preemptions, "p", stats.num_preemptions)
         self._advance(self.prompt_tokens, "pt", stats.num_prompt_tokens_computed)
         self._advance(self.generation_tokens, "gt", stats.num_generation_tokens)
+        self._advance(self.lease_expired, "le", stats.num_leases_expired)
 
     def observe_step(self, num_batched_tokens: int) -> None:
         if num_batched_tokens > 0:

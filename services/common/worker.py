@@ -65,6 +65,17 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return parser
 
 
+# gRPC's C core cancels calls beyond 1,000 (soft) / 3,000 (hard) not yet picked up by the
+# server's Python loop, which surfaced as CANCELLED under a wide fan-out. Requests queue in
+# the engine instead, where the scheduler bounds them; the router caps choices per request.
+MAX_PENDING_CALLS = 1 << 16
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+]
+
+
 class WorkerBase:
     """Engine + KV connector + the RPCs every role answers."""
 
@@ -87,7 +98,6 @@ class WorkerBase:
                                      num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
         core.on_step = self.metrics.observe_step
         self.tracing = Tracing(f"cleave-{self.role}-worker", args.otlp_traces_endpoint)
-        self.num_leased = 0
         self.kv_events: Any = None  # a KVEventPublisher when --redis-url is set
         self.drain = Drain()
         self.address = ""  # this worker's gRPC address, known once the port is bound
@@ -115,6 +125,11 @@ class WorkerBase:
         return pb.HealthResponse(status="ok", role=self.role, model=self.args.model, worker_id=self.worker_id,
                                  max_model_len=self.engine.core.max_model_len)  # fmt: skip
 
+    @property
+    def num_leased(self) -> int:
+        """Finished prefills whose blocks wait for a pull (leases live in the engine)."""
+        return self.engine.core.leases.num_leases
+
     async def LoadStats(self, request, context) -> pb.LoadStatsResponse:
         # Read without queueing behind a long engine step: plain counters, a snapshot is enough.
         stats = self.engine.core.stats()
@@ -122,9 +137,10 @@ class WorkerBase:
         return pb.LoadStatsResponse(
             num_running=stats.num_running, num_waiting=stats.num_waiting, num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, kv_cache_usage=stats.kv_cache_usage,
-            num_leased_requests=self.num_leased, transfer_backend=c.backend_name,
+            num_leased_requests=stats.num_leased_requests, transfer_backend=c.backend_name,
             kv_transfer_bytes_total=c.bytes_total, kv_transfer_count=c.transfers_total,
-            kv_transfer_failures=c.failures_total,
+            kv_transfer_failures=c.failures_total, kv_ownership_error=self.engine.ownership_error,
+            num_held_blocks=stats.num_held_blocks,
         )  # fmt: skip
 
     async def Abort(self, request, context) -> pb.AbortResponse:
@@ -197,7 +213,7 @@ class WorkerBase:
 
 async def serve(worker: WorkerBase, add_servicer) -> None:
     args = worker.args
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(worker, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:

@@ -16,9 +16,10 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from services.common.convert import sampling_from_proto, token_to_proto
 from services.common.worker import WorkerBase, build_parser
 from services.common.worker import main as worker_main
-from services.kv_transfer.connector import KVTransferError
+from services.kv_transfer.connector import KVTransferError, TransferStats
 from services.kv_transfer.handshake import PROTOCOL_VERSION, KVCompatibilityError
 from shared.cli import env_default
+from shared.engine.kv_leases import PULL
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
@@ -45,7 +46,8 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id
+        self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id (handshaken)
+        self._replaced: set[str] = set()  # peer ids of prefill processes that another one replaced
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, addr: str) -> pb_grpc.PrefillWorkerStub:
@@ -53,15 +55,39 @@ class DecodeWorker(WorkerBase):
             self._channels[addr] = grpc.aio.insecure_channel(addr)
         return pb_grpc.PrefillWorkerStub(self._channels[addr])
 
-    async def _peer(self, addr: str) -> str:
-        if addr not in self._peers:
-            reply = await self._stub(addr).GetKVMetadata(
-                pb.KVMetadataRequest(protocol_version=PROTOCOL_VERSION, compat_hash=self.peer_info.compat_hash),
-                timeout=10,
-            )
-            loop = asyncio.get_running_loop()
-            self._peers[addr] = await loop.run_in_executor(None, self.connector.add_peer, reply.metadata)
-        return self._peers[addr]
+    async def _peer(self, handle: pb.KVHandle, failed: str | None = None) -> str:
+        """The connector peer id of the handle's prefill worker, handshaking when it is new, when it
+        restarted (the handle names another ``kv_peer_id``) or when a pull from peer ``failed``."""
+        addr = handle.prefill_worker_addr
+        if handle.kv_peer_id in self._replaced:
+            raise PullFailed(f"prefill worker {addr} restarted after the prefill; its KV is gone")
+        cached = self._peers.get(addr)
+        if cached is not None and cached != failed and handle.kv_peer_id in ("", cached):
+            return cached
+        loop = asyncio.get_running_loop()
+        reply = await self._stub(addr).GetKVMetadata(
+            pb.KVMetadataRequest(protocol_version=PROTOCOL_VERSION, compat_hash=self.peer_info.compat_hash),
+            timeout=10,
+        )
+        peer = await loop.run_in_executor(None, self.connector.add_peer, reply.metadata)
+        if cached is not None and cached != peer and self._peers.get(addr) == cached:
+            self._replaced.add(cached)
+            await loop.run_in_executor(None, self.connector.remove_peer, cached)
+            logger.info("kv_rehandshake prefill_worker_addr=%s old_peer=%s new_peer=%s", addr, cached, peer)
+        self._peers[addr] = peer
+        if handle.kv_peer_id and peer != handle.kv_peer_id:
+            # Another process answers on that address now: the handle's blocks died with the old one.
+            raise PullFailed(f"prefill worker {addr} restarted after the prefill; its KV is gone")
+        return peer
+
+    async def _pull_once_more(self, handle: pb.KVHandle, attempt) -> TransferStats:
+        """Pull; on a transfer failure handshake again (the prefill worker may have restarted) and retry once."""
+        peer = await self._peer(handle)
+        try:
+            return await attempt(peer)
+        except KVTransferError as e:
+            logger.info("kv_pull_retry request_id=%s error=%s", handle.request_id, e)
+            return await attempt(await self._peer(handle, failed=peer))
 
     async def Generate(self, request: pb.GenerateRequest, context):
         await self.admit(context)
@@ -155,19 +181,25 @@ class DecodeWorker(WorkerBase):
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
-            peer = await self._peer(handle.prefill_worker_addr)
+            await self._peer(handle)
             local_ids = await self.engine.run(lambda: self._allocate(req, handle.num_tokens))
             if local_ids is None:
                 raise PullFailed("no free KV blocks for the pull")
-            pull = asyncio.get_running_loop().run_in_executor(
-                None, self.connector.pull, peer, list(handle.block_ids), local_ids[: len(handle.block_ids)]
-            )
-            stats = await asyncio.shield(pull)
+            ids = local_ids[: len(handle.block_ids)]
+
+            async def attempt(peer: str) -> TransferStats:
+                nonlocal pull
+                pull = asyncio.get_running_loop().run_in_executor(
+                    None, self.connector.pull, peer, list(handle.block_ids), ids
+                )
+                return await asyncio.shield(pull)
+
+            stats = await self._pull_once_more(handle, attempt)
         except asyncio.CancelledError:
             # The caller went away. Free the blocks (commands run in order, so after any
             # allocation), but only once a running pull can no longer write into them.
             def free(_=None) -> None:
-                self.engine.call(lambda: core.kv.free(req.request_id))
+                self.engine.call(lambda: core.leases.release(req.request_id))
 
             if pull is not None and not pull.done():
                 pull.add_done_callback(free)
@@ -176,7 +208,7 @@ class DecodeWorker(WorkerBase):
             raise
         except (PullFailed, KVTransferError, KVCompatibilityError, grpc.aio.AioRpcError) as e:
             if local_ids is not None:
-                await self.engine.run(lambda: core.kv.free(req.request_id))
+                await self.engine.run(lambda: core.leases.release(req.request_id))
             self.metrics.kv_failures.inc()
             if isinstance(e, KVCompatibilityError):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -192,22 +224,24 @@ class DecodeWorker(WorkerBase):
         return (lambda r: self._join(r, handle.num_tokens)), transfer
 
     def _allocate(self, req: Request, num_tokens: int) -> list[int] | None:
-        """Engine thread: fresh local blocks for the prompt's pulled KV."""
+        """Engine thread: fresh local blocks for the prompt's pulled KV, held by a pull until the join."""
         saved = req.num_computed_tokens
         req.num_computed_tokens = 0
         ids = self.engine.core.kv.allocate_slots(req, num_tokens)
         req.num_computed_tokens = saved
+        if ids is not None:
+            self.engine.core.leases.grant(req.request_id, PULL)
         return ids
 
     def _free_if_not_joined(self, req: Request) -> None:
         """Engine thread: after the stream, free blocks the scheduler never took over."""
-        if req.request_id not in self.engine.core.scheduler.requests and not req.is_finished:
-            self.engine.core.kv.free(req.request_id)
+        self.engine.core.leases.release(req.request_id, kinds=(PULL,))
 
     def _join(self, req: Request, num_tokens: int) -> None:
         """Engine thread: the pulled KV is in place; continue from the first token."""
         req.num_computed_tokens = num_tokens
         req.num_cached_tokens = 0
+        self.engine.core.leases.hand_over(req.request_id)
         self.engine.core.kv.cache_full_blocks(req)
         self.engine.core.scheduler.add_running(req)
 

@@ -34,14 +34,10 @@ def build_prefill_parser() -> argparse.ArgumentParser:
 
 
 class PrefillWorker(WorkerBase):
+    """Leases live in the engine (``core.leases``): granted in the step that finishes
+    the prefill, freed by ``ReleaseKV``, ``Abort`` or expiry on the engine thread."""
+
     role = "prefill"
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
-        self.leases: dict[str, float] = {}  # request id -> monotonic deadline
-
-    def background_tasks(self) -> list[asyncio.Task]:
-        return [asyncio.create_task(self._expire_leases())]
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         await self.admit(context)
@@ -62,6 +58,7 @@ class PrefillWorker(WorkerBase):
         except InvalidRequestError as e:
             await self.invalid(context, e)
         req.prefill_only = True
+        req.kv_lease_seconds = self.args.kv_lease_seconds
         last = None
         async for delta in self.stream(req):
             last = delta
@@ -79,11 +76,15 @@ class PrefillWorker(WorkerBase):
         if req.status != RequestStatus.FINISHED_PREFILLED:
             response.finish_reason = last.finish_reason or "stop"
             return response
-        # Lease first: if this call is cancelled from here on, the lease still frees the blocks.
-        lease_s = self.args.kv_lease_seconds
-        self.leases[req.request_id] = time.monotonic() + lease_s
-        self.num_leased = len(self.leases)
-        block_ids = await self.engine.run(lambda: core.kv.block_ids(req.request_id))
+        try:
+            hold = await self.engine.run(lambda: core.leases.get(req.request_id))
+        except asyncio.CancelledError:
+            # Nobody will learn of the lease: free it now rather than at its deadline.
+            self.engine.call(lambda: core.abort(req.request_id))
+            raise
+        if hold is None:
+            # Aborted or expired in the instant before the reply; the worker itself is fine.
+            await context.abort(grpc.StatusCode.ABORTED, f"the KV lease of {req.request_id} ended before the reply")
         response.kv_handle.CopyFrom(
             pb.KVHandle(
                 protocol_version=PROTOCOL_VERSION,
@@ -91,28 +92,18 @@ class PrefillWorker(WorkerBase):
                 worker_id=self.worker_id,
                 prefill_worker_addr=self.address,
                 transfer_backend=self.connector.backend_name,
-                block_ids=block_ids,
+                block_ids=hold.block_ids,
                 num_tokens=req.num_prompt_tokens,
-                lease_deadline_unix=time.time() + lease_s,
+                lease_deadline_unix=time.time() + (hold.deadline or 0.0) - time.monotonic(),
                 compat_hash=self.peer_info.compat_hash,
+                kv_peer_id=self.connector.name,
             )  # fmt: skip
         )
         return response
 
-    async def _free(self, request_id: str) -> bool:
-        if self.leases.pop(request_id, None) is None:
-            return False
-        self.num_leased = len(self.leases)
-        await self.engine.run(lambda: self.engine.core.kv.free(request_id))
-        return True
-
     async def ReleaseKV(self, request: pb.ReleaseKVRequest, context) -> pb.ReleaseKVResponse:
-        return pb.ReleaseKVResponse(released=await self._free(request.request_id))
-
-    async def Abort(self, request, context) -> pb.AbortResponse:
-        released = await self._free(request.request_id)
-        response = await super().Abort(request, context)
-        return pb.AbortResponse(found=response.found or released)
+        released = await self.engine.run(lambda: self.engine.core.leases.release(request.request_id))
+        return pb.ReleaseKVResponse(released=released)
 
     async def GetKVMetadata(self, request: pb.KVMetadataRequest, context) -> pb.KVMetadataResponse:
         info = self.peer_info
@@ -128,15 +119,6 @@ class PrefillWorker(WorkerBase):
         return pb.KVMetadataResponse(protocol_version=PROTOCOL_VERSION, compat_hash=info.compat_hash,
                                      transfer_backend=self.connector.backend_name,
                                      metadata=self.connector.local_metadata())  # fmt: skip
-
-    async def _expire_leases(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for request_id in [r for r, deadline in self.leases.items() if deadline < now]:
-                if await self._free(request_id):
-                    self.metrics.lease_expired.inc()
-                    logger.info("kv_lease_expired request_id=%s", request_id)
 
 
 def add_servicer(worker: PrefillWorker, server) -> None:

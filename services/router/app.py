@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +25,13 @@ from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.router.body_limit import BodySizeLimit
 from services.router.embeddings import install_embeddings
 from services.router.extra_routes import install_extra_routes
 from services.router.generation import CallContext, ChoiceDecoder, ChoiceDelta, ChoiceSpec, run_choices
 from services.router.limits import api_key_error, overload_error, retry_after_headers, with_deadline
 from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.openapi import install_openapi
 from services.router.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from services.router.serving import (
     SSE_DONE,
@@ -259,7 +261,8 @@ async def serve_generation(
         overloaded = overload_error(state.pools, state.settings.max_queued_requests)
         if overloaded is not None:
             raise overloaded
-        prep = prepare(request_id)
+        # Off the event loop: a long prompt's chat template and tokenization must not stall other requests.
+        prep = await asyncio.to_thread(prepare, request_id)
         run = RequestRun(state, endpoint, prep, span)
         events = start_choices(state, run)
         fmt = make_format(prep, state.settings.model_name)
@@ -312,17 +315,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), param
 
 
+GENERATION_ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+
+
+def _refused_request_span(request: Request, status: int) -> None:
+    """A generation request refused before its route ran (body validation) still gets its span."""
+    state = getattr(request.app.state, "router", None)
+    prefix = GENERATION_ID_PREFIXES.get(request.url.path)
+    if state is None or prefix is None:
+        return
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    span = start_request_span(state.tracing, request, prefix, state.settings.model_name, request_id)
+    end_request_span(span, status, 0, 0, [], None)
+
+
 def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     """Answer every error in the OpenAI shape, and count it."""
 
-    def answer(request: Request, error: APIError) -> JSONResponse:
+    def answer(request: Request, error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         metrics.requests.labels(request.url.path, str(error.status_code)).inc()
         log_request(endpoint=request.url.path, status=error.status_code, error=repr(error.message))
-        return JSONResponse(error.body(), status_code=error.status_code)
+        return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        _refused_request_span(request, 400)
         return answer(request, APIError(400, message, "invalid_request_error", param))
 
     @app.exception_handler(APIError)
@@ -332,7 +350,8 @@ def install_error_handlers(app: FastAPI, metrics: RouterMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return answer(request, APIError(exc.status_code, str(exc.detail), err_type))
+        # Keeps the headers that come with the status, e.g. ``Allow`` on a 405.
+        return answer(request, APIError(exc.status_code, str(exc.detail), err_type), exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -417,14 +436,16 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         def prepare(request_id: str) -> Prepared:
-            return prepare_completion(body, request_id, state.model_info(), state.tokenizer)
+            return prepare_completion(
+                body, request_id, state.model_info(), state.tokenizer, settings.max_choices_per_request
+            )
 
         return await serve_generation(state, request, prepare, CompletionFormat, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         def prepare(request_id: str) -> Prepared:
-            return prepare_chat(body, request_id, state.model_info(), state.tokenizer)
+            return prepare_chat(body, request_id, state.model_info(), state.tokenizer, settings.max_choices_per_request)
 
         return await serve_generation(state, request, prepare, ChatFormat, "chatcmpl")
 
@@ -455,4 +476,11 @@ def create_app(
     async def metrics_endpoint() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    install_openapi(app)
+
+    def count_refused(path: str) -> None:
+        state.metrics.requests.labels(path, "413").inc()
+        log_request(endpoint=path, status=413, error="'body too large'")
+
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_body_bytes, on_refused=count_refused)
     return app

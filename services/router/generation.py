@@ -160,7 +160,11 @@ def rpc_error(e: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
     detail = e.details() or code.name
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, detail)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+    # CANCELLED here came from the worker's side (our own cancellations raise CancelledError), and
+    # ABORTED is a lease that ended before the prefill's reply: both are worth a retry.
+    retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                 grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED)  # fmt: skip
+    if code in retryable:
         return APIError(503, f"{role} worker {address}: {code.name}: {detail}", "service_unavailable")
     return APIError(500, f"{role} worker {address} failed: {code.name}: {detail}", "server_error")
 

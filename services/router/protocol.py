@@ -12,13 +12,47 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    model_serializer,
+)
 
 from services.router.structured import StructuredOutputFields
 from services.router.tools import ToolFields
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+def _not_bool(value: Any) -> Any:
+    """JSON ``true``/``false`` are not numbers, though pydantic's lax mode reads them as 1/0."""
+    if isinstance(value, bool):
+        raise ValueError("a number is required, not a boolean")
+    return value
+
+
+NotBool = BeforeValidator(_not_bool)
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), NotBool]
+
+# Numeric ranges, enforced here and published in /openapi.json (the OpenAI API's where it has one).
+MAX_N = 128
+MAX_STOP_STRINGS = 4
+INT32_MAX = 2**31 - 1
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False), NotBool]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), NotBool]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False), NotBool]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=100, allow_inf_nan=False), NotBool]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), NotBool]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX), NotBool]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), NotBool]
+# Published bounds only: serving.check_top_logprobs refuses values outside them, naming the field.
+NumLogprobs = Annotated[int, Field(json_schema_extra={"minimum": 0, "maximum": 20}), NotBool]
+StopString = Annotated[str, Field(min_length=1)]
+# Roles the OpenAI chat API accepts.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class APIError(Exception):
@@ -69,23 +103,23 @@ class SamplingRequest(RequestBody):
     """Fields common to ``/v1/completions`` and ``/v1/chat/completions``."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), NotBool] = 1
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False), NotBool] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX), NotBool] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     # ---- token-level controls and token ids (vLLM extras; services.router.token_controls)
     logit_bias: dict[StrictStr, float] | None = None
@@ -144,10 +178,13 @@ class SamplingRequest(RequestBody):
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of the ``index``-th of ``n`` fanned-out choices: distinct seeds keep them independent."""
+    """Params of the ``index``-th of ``n`` fanned-out choices: distinct seeds keep them independent.
+
+    ``seed + index`` wraps around within int64, so that every seed the API accepts stays valid.
+    """
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
 
 
 # The mixins' own configs would otherwise replace RequestBody's: undeclared fields must stay visible.
@@ -157,8 +194,8 @@ _BODY_CONFIG = ConfigDict(extra="allow", populate_by_name=True)
 class CompletionRequest(SamplingRequest, StructuredOutputFields):
     model_config = _BODY_CONFIG
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: TokenCount | None = None
+    logprobs: NumLogprobs | None = None
     echo: bool = False
 
 
@@ -168,7 +205,7 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
@@ -187,10 +224,10 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingRequest, StructuredOutputFields, ToolFields):
     model_config = _BODY_CONFIG
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM: the prompt ends inside the last message, which the model continues
     echo: bool = False  # vLLM: prepend the last message's content when its role is the response's

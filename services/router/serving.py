@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from services.router.fields import check_fields
 from services.router.generation import ChoiceDelta, ChoiceSpec, PromptTokenLogprob, TokenInfo
 from services.router.prompt_scores import echo_logprobs, join, prompt_logprobs_body
 from services.router.protocol import (
+    MAX_N,
     APIError,
     ChatChoice,
     ChatCompletionChunk,
@@ -48,9 +50,10 @@ from services.router.tools import ToolCallStream, ToolPlan, extract_tool_calls, 
 from shared.structured.constraint import Constraint
 from shared.tokenizer import Tokenizer
 
-MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_CHOICES = 256  # prompts x n of one request (--max-choices-per-request)
+PROMPT_CHARS_SLACK = 4
 # JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
 MIN_LOGPROB = -9999.0
 
@@ -136,7 +139,26 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, default: i
     return requested
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
+def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text so long that no tokenization of it fits the context.
+
+    ``len(text) / max_token_chars`` is a lower bound on its token count; the slack factor
+    keeps normalizers that shorten text (collapsing spaces) from refusing a prompt that fits.
+    """
+    min_tokens = len(text) // (tokenizer.max_token_chars * PROMPT_CHARS_SLACK)
+    if min_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, the {param} has "
+            f"{len(text)} characters, which is at least {min_tokens} tokens. Please reduce the length of the "
+            f"{param}.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def completion_prompts(
+    req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int | None = None
+) -> list[list[int]]:
     """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
     prompt = req.prompt
     items: list[str | list[int]]
@@ -149,6 +171,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
     prompts = []
     for item in items:
         if isinstance(item, str):
+            if max_model_len is not None:
+                check_text_fits(item, tokenizer, max_model_len, "prompt")
             prompts.append(tokenizer.encode(item, add_special_tokens=True))
         else:
             check_vocab(list(item), vocab_size, "prompt")
@@ -156,7 +180,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer, vocab_size:
     return prompts
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int | None = None) -> list[int]:
     """Apply the model's chat template; the rendered text carries its own special tokens."""
     if req.continue_final_message:
         if req.add_generation_prompt:
@@ -164,7 +188,9 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
                 "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
             )
         return continued_prompt_ids(req.messages, tokenizer, req.template_tools())
-    return chat_prompt_ids(req.messages, req.add_generation_prompt, tokenizer, tools=req.template_tools())
+    return chat_prompt_ids(
+        req.messages, req.add_generation_prompt, tokenizer, tools=req.template_tools(), max_model_len=max_model_len
+    )
 
 
 def continued_prompt_ids(chat_messages: list[ChatMessage], tokenizer: Tokenizer, tools: Any = None) -> list[int]:
@@ -186,8 +212,10 @@ def chat_prompt_ids(
     tokenizer: Tokenizer,
     add_special_tokens: bool = False,
     tools: Any = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
-    """Token ids of ``chat_messages`` after the chat template."""
+    """Token ids of ``chat_messages`` after the chat template; with ``max_model_len``, a text that
+    cannot fit is refused before it is tokenized."""
     if not chat_messages:
         raise bad_request("messages must not be empty", "messages")
     messages = []
@@ -200,6 +228,8 @@ def chat_prompt_ids(
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    if max_model_len is not None:
+        check_text_fits(text, tokenizer, max_model_len, "messages")
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -222,9 +252,16 @@ def _specs(
     model: ModelInfo,
     tokenizer: Tokenizer,
     constraint: Constraint | None = None,
+    max_choices: int = DEFAULT_MAX_CHOICES,
 ) -> list[ChoiceSpec]:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
+    if len(prompts) * req.n > max_choices:
+        raise bad_request(
+            f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} choices; this server generates at most "
+            f"{max_choices} per request (--max-choices-per-request). Send fewer prompts or a smaller n.",
+            "n",
+        )
     check_token_ids(list(req.stop_token_ids or []), model.vocab_size, "stop_token_ids")
     controls = token_controls(req, tokenizer, model.vocab_size)
     check_top_logprobs(req.prompt_logprobs, "prompt_logprobs")
@@ -286,16 +323,24 @@ def check_top_logprobs(value: int | None, param: str) -> None:
         )
 
 
-def prepare_completion(req: CompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+def prepare_completion(
+    req: CompletionRequest,
+    request_id: str,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+) -> Prepared:
     check_common(req, model)
     check_top_logprobs(req.logprobs, "logprobs")
-    prompts = completion_prompts(req, tokenizer, model.vocab_size)
+    # A prompt to be truncated may be of any length; others that cannot fit are refused before tokenizing.
+    fits_check = model.max_model_len if req.truncate_prompt_tokens is None else None
+    prompts = completion_prompts(req, tokenizer, model.vocab_size, fits_check)
     prompts = [truncate_prompt(p, req.truncate_prompt_tokens, model.max_model_len) for p in prompts]
     echo_texts = _echo_texts(req, prompts, tokenizer)
     max_tokens = [
         resolve_max_tokens(len(p), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, model.max_model_len) for p in prompts
     ]
-    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, tokenizer)
+    specs = _specs(request_id, req, prompts, max_tokens, req.logprobs, model, tokenizer, max_choices=max_choices)
     prep = _prepared(req, request_id, prompts, specs)
     prep.echo_texts = echo_texts
     if req.echo and req.logprobs is not None:
@@ -304,17 +349,26 @@ def prepare_completion(req: CompletionRequest, request_id: str, model: ModelInfo
     return prep
 
 
-def prepare_chat(req: ChatCompletionRequest, request_id: str, model: ModelInfo, tokenizer: Tokenizer) -> Prepared:
+def prepare_chat(
+    req: ChatCompletionRequest,
+    request_id: str,
+    model: ModelInfo,
+    tokenizer: Tokenizer,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+) -> Prepared:
     check_common(req, model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     check_top_logprobs(req.top_logprobs, "top_logprobs")
     plan, constraint = chat_tools(req, model)
-    prompt_ids = truncate_prompt(chat_prompt(req, tokenizer), req.truncate_prompt_tokens, model.max_model_len)
+    fits_check = model.max_model_len if req.truncate_prompt_tokens is None else None
+    prompt_ids = truncate_prompt(
+        chat_prompt(req, tokenizer, fits_check), req.truncate_prompt_tokens, model.max_model_len
+    )
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, None, model.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, tokenizer, constraint)
+    specs = _specs(request_id, req, [prompt_ids], [max_tokens], logprobs, model, tokenizer, constraint, max_choices)
     prep = _prepared(req, request_id, [prompt_ids], specs)
     prep.tool_plan = plan
     response_role = "assistant" if req.add_generation_prompt else req.messages[-1].role
@@ -380,7 +434,10 @@ def usage(prep: Prepared, results: list[ChoiceResult]) -> UsageInfo:
 
 
 def _lp(value: float) -> float:
-    return max(value, MIN_LOGPROB)
+    """A logprob JSON can carry: NaN and -inf become ``MIN_LOGPROB`` (JSON has neither)."""
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return min(max(value, MIN_LOGPROB), 0.0)
 
 
 def completion_logprobs(infos: list[TokenInfo] | None) -> CompletionLogprobs | None:
@@ -410,7 +467,8 @@ def chat_logprobs(infos: list[TokenInfo] | None) -> ChatLogprobs | None:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    # allow_nan=False: JSON has no NaN or Infinity; a non-finite number is a bug to surface, not to send.
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

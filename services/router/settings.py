@@ -48,6 +48,8 @@ class RouterSettings:
     otlp_traces_endpoint: str | None = None
     log_format: str = "text"
     tool_call_parser: str | None = None  # how tool_choice "auto" reads calls from the model's text
+    max_request_body_bytes: int = 8 << 20
+    max_choices_per_request: int = 256
 
     @property
     def model_name(self) -> str:
@@ -153,6 +155,18 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--redis-url",
         "discover workers in this Redis registry (e.g. redis://127.0.0.1:6379/0), beside any static workers",
     )
+    add(
+        "--max-request-body-bytes",
+        "largest request body accepted; larger ones are answered 413 before they are parsed",
+        type=int,
+        default=8 << 20,
+    )
+    add(
+        "--max-choices-per-request",
+        "most choices (prompts x n) one request may ask for; more are answered 400",
+        type=int,
+        default=256,
+    )
     return parser
 
 
@@ -182,6 +196,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--migration-limit must be >= 0, got {args.migration_limit}")
     if args.kv_index_max_entries < 1:
         parser.error(f"--kv-index-max-entries must be >= 1, got {args.kv_index_max_entries}")
+    if args.max_request_body_bytes < 1:
+        parser.error(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    if args.max_choices_per_request < 1:
+        parser.error(f"--max-choices-per-request must be >= 1, got {args.max_choices_per_request}")
     prefill_workers = args.prefill_worker or []
     decode_workers = args.decode_worker or []
     return RouterSettings(
@@ -209,4 +227,6 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         log_format=args.log_format,
         tool_call_parser=args.tool_call_parser,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_choices_per_request=args.max_choices_per_request,
     )

@@ -26,7 +26,8 @@ import grpc
 import httpx
 
 from shared.genproto.cleave.v1 import worker_pb2, worker_pb2_grpc
-from shared.launcher import Cluster, ensure_model, wait_http_ok
+from shared.launcher import ensure_model, wait_http_ok
+from shared.supervisor import Supervisor
 
 MODES = ("fork", "independent", "beam", "greedy")
 
@@ -92,18 +93,23 @@ async def run_mode(base_url: str, model: str, requests: list[dict[str, Any]]) ->
 def run_http(args: Any, prompts: list[list[int]], engine_args: list[str]) -> dict[str, Any]:
     """Start the worker and router, run every mode, stop them; the per-mode figures."""
     model = ensure_model(args.model)
-    cluster = Cluster()
+    cluster = Supervisor()
     try:
-        worker = cluster.start("services.decode_worker", ["--model", model, "--port", "0", *engine_args], "decode")
+        quiet = ["--log-level", "WARNING"]  # the JSON report owns stdout
+        worker = cluster.start(
+            "decode", "services.decode_worker", ["--model", model, "--port", "0", *quiet, *engine_args]
+        )
         info = cluster.wait_ready_line(worker)
         port = _free_port()
         router = cluster.start(
-            "services.router",
-            ["--model", model, "--port", str(port), "--served-model-name", "bench", "--decode-worker", info["grpc"]],
             "router",
-        )
+            "services.router",
+            ["--model", model, "--port", str(port), "--served-model-name", "bench", "--decode-worker", info["grpc"],
+             *quiet],
+        )  # fmt: skip
+        cluster.drain(router)
         base_url = f"http://127.0.0.1:{port}"
-        wait_http_ok(base_url + "/health", router)
+        wait_http_ok(base_url + "/health", router.proc)
         results: dict[str, Any] = {}
         warm = bodies("beam", prompts[0], args.n, 4, args.seed) + bodies("fork", prompts[0], args.n, 4, args.seed)
         asyncio.run(run_mode(base_url, "bench", warm))

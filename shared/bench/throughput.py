@@ -148,6 +148,14 @@ def _vllm_env(args) -> dict[str, str]:
     return env
 
 
+def default_step_tokens(device: str) -> int:
+    """The step budget Cleave's engine picks when ``--max-num-batched-tokens`` is 0 (vLLM gets the same)."""
+    from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS
+    from shared.engine.engine_core import resolve_device
+
+    return CUDA_STEP_TOKENS if resolve_device(device).type == "cuda" else CPU_STEP_TOKENS
+
+
 def run_vllm(args, workload) -> dict:
     """The same workload on vLLM, in a child process of ``--vllm-python`` (greedy, EOS ignored)."""
     from shared.models.config import load_model_config
@@ -158,7 +166,8 @@ def run_vllm(args, workload) -> dict:
     dtype = args.dtype if args.dtype != "auto" else (model_config.torch_dtype or "float32")
     spec = {
         "model": str(Path(args.model).resolve()), "dtype": "float32" if dtype == "float16" else dtype,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens or default_step_tokens(args.device),
+        "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_model_len": int(args.max_model_len) if args.max_model_len else None,
         "requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload],

@@ -35,6 +35,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self.error: BaseException | None = None
+        # The last idle-time ownership check's findings ("" while used blocks match their owners).
+        self.ownership_error = ""
+        self._idle_checked = False
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -44,10 +47,15 @@ class AsyncEngine:
         try:
             while not self._stopped:
                 self._run_commands()
+                for request_id in self.core.expire_leases():
+                    self._idle_checked = False
+                    logger.info("kv_lease_expired request_id=%s", request_id)
                 if not self.core.has_unfinished():
+                    self._check_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                self._idle_checked = False
                 for delta in self.core.step():
                     self._publish(delta)
         except BaseException as e:  # the loop must never die silently
@@ -55,6 +63,16 @@ class AsyncEngine:
             self.error = e
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _check_idle(self) -> None:
+        """Once per idle spell: compare used blocks with what requests, leases and pulls hold."""
+        if self._idle_checked:
+            return
+        self._idle_checked = True
+        problems = self.core.ownership_problems()
+        self.ownership_error = "; ".join(problems[:5])
+        if problems:
+            logger.error("kv_ownership_violation problems=%d first=%r", len(problems), problems[0])
 
     def _run_commands(self) -> None:
         while True:
@@ -64,6 +82,7 @@ class AsyncEngine:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up (cancelled RPC): skip the command
+            self._idle_checked = False  # a command may change block ownership
             try:
                 result = fn()
             except Exception as e:  # the command's own error goes to its caller

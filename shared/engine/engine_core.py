@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from shared.config import EngineConfig
+from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
+from shared.engine.kv_leases import LEASE, KVLeases, ownership_problems
 from shared.engine.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 from shared.engine.prompt_logprobs import record as record_prompt_logprobs
-from shared.engine.request import Request, TokenSample
+from shared.engine.request import Request, RequestStatus, TokenSample
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
 from shared.kernels import get_attention_backend
@@ -60,6 +61,9 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_generation_tokens: int
+    num_leased_requests: int = 0
+    num_held_blocks: int = 0  # blocks held by leases and pulls in flight
+    num_leases_expired: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,9 +105,12 @@ class EngineCore:
         self.max_model_len = min(model_len, self.num_blocks * config.block_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        default_budget = CUDA_STEP_TOKENS if self.device.type == "cuda" else CPU_STEP_TOKENS
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
@@ -179,7 +186,7 @@ class EngineCore:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests or request_id in self.beams.groups:
+        if request_id in self.scheduler.requests or request_id in self.leases or request_id in self.beams.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = self._new_request(request_id, prompt_token_ids, params)
         if params.use_beam_search:
@@ -249,6 +256,8 @@ class EngineCore:
         return request
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request (a beam-search group: all its beams), or free its finished prefill's lease;
+        False if neither exists."""
         beam_ids = self.beams.abort(request_id)
         if beam_ids is not None:
             for beam_id in beam_ids:
@@ -256,9 +265,19 @@ class EngineCore:
             return True
         request = self.scheduler.abort(request_id)
         if request is None:
-            return False
+            return self.leases.release(request_id, kinds=(LEASE,))
         self.runner.release(request_id)
         return True
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Free the leases whose deadline has passed; returns their request ids."""
+        if not self.leases.holds:
+            return []
+        return self.leases.expire(time.monotonic() if now is None else now)
+
+    def ownership_problems(self) -> list[str]:
+        """The block-ownership invariant: used blocks = blocks of scheduled requests + leases + pulls."""
+        return ownership_problems(self.kv, set(self.scheduler.requests), self.leases)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -301,6 +320,9 @@ class EngineCore:
         finished = request.is_finished
         if finished:
             self.runner.release(request.request_id)
+        if request.status == RequestStatus.FINISHED_PREFILLED:
+            # In the step that finishes the prefill: the blocks go from the scheduler to a lease.
+            self.leases.grant(request.request_id, LEASE, time.monotonic() + request.kv_lease_seconds)
         return RequestOutputDelta(
             request_id=request.request_id,
             new_token_ids=[sample.token_id],
@@ -333,6 +355,9 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generation_tokens=self.num_generation_tokens,
+            num_leased_requests=self.leases.num_leases,
+            num_held_blocks=self.leases.num_held_blocks,
+            num_leases_expired=self.leases.num_expired,
         )
 
 

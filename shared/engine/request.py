@@ -64,6 +64,7 @@ class Request:
     pending_children: list[Request] = field(default_factory=list)
     # Prefill role: finish after the first token, keeping the blocks until released.
     prefill_only: bool = False
+    kv_lease_seconds: float = 30.0  # prefill role: how long the finished prefill's lease lasts
     # With sampling_params.prompt_logprobs: the scores of prompt tokens 1.. (shared.engine.prompt_logprobs).
     prompt_logprobs: list[TokenSample] = field(default_factory=list)
     # Structured output: the grammar matcher (xgrammar), advanced by every appended token.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.structured.constraint import Constraint
 
 GREEDY_EPSILON = 1e-5
+INT32_MAX = 2**31 - 1
 
 
 class InvalidRequestError(ValueError):
@@ -63,12 +65,15 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             fail(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                fail(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             fail(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
+            fail(f"top_k must be -1, 0 (disabled) or a positive integer up to {INT32_MAX}, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= self.presence_penalty <= 2:
@@ -93,8 +98,8 @@ class SamplingParams:
             fail("stop strings must be non-empty strings")
         if self.stop and not self.detokenize:
             fail("stop strings need detokenize=True")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            fail(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         self._validate_token_controls(fail)
         self._validate_beam_search(fail)
 

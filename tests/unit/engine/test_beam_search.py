@@ -48,7 +48,10 @@ def run_beam_search(llm, prompt, **kwargs):
     def tracking_resolve():
         for group in engine.beams.groups.values():
             peaks.append(engine.beams._blocks_held(group))
-        return resolve()
+        assert engine.ownership_problems() == []  # parked beams still own their blocks
+        result = resolve()
+        assert engine.ownership_problems() == []
+        return result
 
     engine.beams.resolve = tracking_resolve
     try:

@@ -183,7 +183,7 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
             sampling = worker_pb2.SamplingParams()
             sampling.CopyFrom(request.sampling)
             if sample and sampling.HasField("seed"):
-                sampling.seed += sample
+                sampling.seed = (sampling.seed + sample + 2**63) % 2**64 - 2**63  # wraps within int64
             position = 1 if request.HasField("first_token") else 0
             batch, finish = [], ""
             while not finish and context.is_active():

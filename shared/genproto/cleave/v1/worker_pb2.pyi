@@ -102,7 +102,7 @@ class TokenOutput(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("protocol_version", "request_id", "worker_id", "prefill_worker_addr", "transfer_backend", "block_ids", "num_tokens", "lease_deadline_unix", "compat_hash")
+    __slots__ = ("protocol_version", "request_id", "worker_id", "prefill_worker_addr", "transfer_backend", "block_ids", "num_tokens", "lease_deadline_unix", "compat_hash", "kv_peer_id")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     request_id: str
     worker_id: str
@@ -121,7 +122,8 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_deadline_unix: float
     compat_hash: str
-    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prefill_worker_addr: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    kv_peer_id: str
+    def __init__(self, protocol_version: _Optional[int] = ..., request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prefill_worker_addr: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_deadline_unix: _Optional[float] = ..., compat_hash: _Optional[str] = ..., kv_peer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -258,7 +260,7 @@ class LoadStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "num_leased_requests", "transfer_backend", "kv_transfer_bytes_total", "kv_transfer_count", "kv_transfer_failures")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "num_leased_requests", "transfer_backend", "kv_transfer_bytes_total", "kv_transfer_count", "kv_transfer_failures", "kv_ownership_error", "num_held_blocks")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,8 @@ class LoadStatsResponse(_message.Message):
     KV_TRANSFER_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_COUNT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_OWNERSHIP_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -279,7 +283,9 @@ class LoadStatsResponse(_message.Message):
     kv_transfer_bytes_total: int
     kv_transfer_count: int
     kv_transfer_failures: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_leased_requests: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., kv_transfer_bytes_total: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ...) -> None: ...
+    kv_ownership_error: str
+    num_held_blocks: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_leased_requests: _Optional[int] = ..., transfer_backend: _Optional[str] = ..., kv_transfer_bytes_total: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_ownership_error: _Optional[str] = ..., num_held_blocks: _Optional[int] = ...) -> None: ...
 
 class ListCachedBlocksRequest(_message.Message):
     __slots__ = ()
