@@ -175,8 +175,13 @@ async def _prefill(
     """First token and KV handle from a prefill worker; None means: run aggregated instead."""
     pool, tried = ctx.pools.prefill, set[str]()
     choose = ctx.kv_router.chooser(route.blocks) if ctx.kv_router and route else None
+    params = spec.params
+    if params.n > 1:
+        # A fork prefills once; its samples all draw their first token on the decode worker, so the
+        # prefill's own token is dropped and must not end the request (it holds the lease).
+        params = dataclasses.replace(params, n=1, ignore_eos=True, stop_token_ids=[], min_tokens=0)
     request = worker_pb2.PrefillRequest(
-        request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
+        request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(params)
     )
     while True:
         try:
@@ -347,9 +352,10 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
     route = await plan_route(ctx, spec)
+    fork = spec.params.n > 1
     disaggregate = (
-        spec.params.n == 1  # a fork prefills once on the decode worker
-        and not spec.params.use_beam_search  # beam search runs whole on the decode worker
+        not spec.params.use_beam_search  # beam search runs whole on the decode worker
+        and not (fork and spec.params.prompt_logprobs is not None)  # a fork's prompt is scored where it forks
         and bool(ctx.pools.prefill)
         and (spec.params.max_tokens or 0) > 1
         and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens
@@ -366,17 +372,24 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
                 yield response
         return
     prefill_worker, first = prefilled
+    if fork and not first.HasField("kv_handle"):
+        # The prefill's one sample ended at once and its blocks are gone: the fork runs aggregated.
+        async with aclosing(_decode(ctx, request, route)) as responses:
+            async for response in responses:
+                yield response
+        return
     finished = bool(first.finish_reason) or not first.HasField("kv_handle")
     try:
-        yield worker_pb2.GenerateResponse(
-            tokens=[first.first_token],
-            finish_reason=first.finish_reason,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=first.prompt_logprobs,
-        )
-        if finished:
-            return
+        if not fork:  # a fork's first tokens come from the decode worker, one per sample
+            yield worker_pb2.GenerateResponse(
+                tokens=[first.first_token],
+                finish_reason=first.finish_reason,
+                num_prompt_tokens=first.num_prompt_tokens,
+                num_cached_tokens=first.num_cached_tokens,
+                prompt_logprobs=first.prompt_logprobs,
+            )
+            if finished:
+                return
         request.sampling.ClearField("prompt_logprobs")  # the prefill worker scored the prompt
         request.first_token.CopyFrom(first.first_token)
         request.kv_handle.CopyFrom(first.kv_handle)

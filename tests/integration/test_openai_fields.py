@@ -177,15 +177,30 @@ def test_embeddings_equal_transformers_pooled_the_same_way(servers, hf_hidden):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
 
 
+def routed(servers, path: str) -> dict[str, float]:
+    """The router's sequences by route taken (aggregated / disaggregated)."""
+    counts = {"aggregated": 0.0, "disaggregated": 0.0}
+    for line in httpx.get(f"{servers[path]}/metrics").text.splitlines():
+        if line.startswith("cleave_router_routed_sequences_total{"):
+            for route in counts:
+                if f'"{route}"' in line:
+                    counts[route] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 @pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
 def test_n_is_one_engine_fork_equal_to_the_offline_engine(servers, model_dir, path):
     llm = LLM(model=str(model_dir), dtype="float32", num_blocks=256)
     params = SamplingParams(n=4, temperature=0.9, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
     [expected] = llm.generate([llm.tokenizer.encode(PROMPT)], params)
+    before = routed(servers, path)
     out = complete(servers, path, n=4, temperature=0.9, seed=11, return_token_ids=True)
     got = {c.index: c.model_dump()["token_ids"] for c in out.choices}
     assert [got[i] for i in range(4)] == [o.token_ids for o in expected.outputs]
     assert len({tuple(ids) for ids in got.values()}) > 1
+    # With a prefill pool the fork prefills once there, is pulled once and forks on the decode worker.
+    after = routed(servers, path)
+    assert after[path] - before[path] == 1 and sum(after.values()) - sum(before.values()) == 1
 
 
 # ---- beam search: runs whole on the decode worker on both paths ---------------------------------------

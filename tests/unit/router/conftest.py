@@ -184,7 +184,9 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
             sampling.CopyFrom(request.sampling)
             if sample and sampling.HasField("seed"):
                 sampling.seed = (sampling.seed + sample + 2**63) % 2**64 - 2**63  # wraps within int64
-            position = 1 if request.HasField("first_token") else 0
+            # After a prefill the first token is the client's already, except in a fork: the decode
+            # worker draws every sample's first token itself.
+            position = 1 if request.HasField("first_token") and request.sampling.n <= 1 else 0
             batch, finish = [], ""
             while not finish and context.is_active():
                 token, finish = script.output(sampling, position)
