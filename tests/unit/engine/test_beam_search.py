@@ -104,6 +104,7 @@ def test_beam_search_matches_hf_and_shares_blocks(
     [
         ({"use_beam_search": True, "stop": ["x"]}, "stop"),
         ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ({"use_beam_search": True, "temperature": 0.7}, "temperature"),
         ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
         ({"use_beam_search": True, "best_of": 11}, "10 beams"),
         ({"best_of": 3}, "use_beam_search"),
