@@ -130,7 +130,7 @@ class SamplingParams:
         if self.beam_width > 10:
             fail(f"beam search takes at most 10 beams (best_of or n), got {self.beam_width}")
         if self.temperature not in (0.0, 1.0):
-            # Beams are scored by the model's own log-probabilities: a temperature would change nothing.
+            # Beams are scored by the model's own log-probabilities; tempered scores are not implemented.
             fail(f"temperature must be 0 or 1 with use_beam_search, got {self.temperature}")
         refused = {
             "stop": bool(self.stop),
