@@ -10,20 +10,24 @@ and every sample, the first included, equals what the aggregated path gives.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from shared.engine.request import Request
 
 Admit = Callable[[Request], None]
 
 
-def resample_first_token(req: Request, admit: Admit | None, block_size: int) -> Admit | None:
+def resample_first_token(req: Request, admit: Admit | None, block_size: int, fresh_matcher: Any = None) -> Admit | None:
     """Undo the prefill worker's first token on a forking ``req``; wrap ``admit`` to recompute its last position.
 
     ``admit`` None (the pull failed, the prompt is recomputed here) needs only the first part.
+    ``fresh_matcher``: with structured output, a new grammar matcher (the old one accepted the token).
     """
     assert req.num_output_tokens == 1, "a pulled request carries exactly the prefill's first token"
     req.output_token_ids.pop()
     req.token_ids.pop()
+    if req.matcher is not None:
+        req.matcher = fresh_matcher
     del req._block_hashes[req.num_tokens // block_size :]  # a hash may have covered the dropped token
     if admit is None:
         return None

@@ -131,7 +131,8 @@ class DecodeWorker(WorkerBase):
                 admit, transfer = await self._remote_prefill(req, request, context)
                 self._describe_transfer(kv_span, request.kv_handle, transfer)
             if params.n > 1:
-                admit = resample_first_token(req, admit, core.config.block_size)
+                matcher = None if params.constraint is None else core.grammar_backend().matcher(params.constraint)
+                admit = resample_first_token(req, admit, core.config.block_size, matcher)
         first = True
         try:
             async with aclosing(self.stream(req, admit)) as deltas:

@@ -37,3 +37,11 @@ def test_failed_pull_leaves_a_plain_request_to_prefill_here():
     request = pulled_request(5)
     assert resample_first_token(request, None, BLOCK_SIZE) is None
     assert request.num_tokens == 5 and request.num_computed_tokens == 0
+
+
+def test_structured_output_restarts_from_a_fresh_matcher():
+    request = pulled_request(5)
+    request.matcher = advanced = object()  # stands for a grammar matcher that accepted the dropped token
+    fresh = object()
+    resample_first_token(request, None, BLOCK_SIZE, fresh)
+    assert request.matcher is fresh and request.matcher is not advanced
