@@ -59,7 +59,6 @@ class BeamGroup:
     improvement_possible: bool = True
     num_cached_tokens: int = 0
     next_beam_id: int = 0
-    peak_blocks: int = 0  # most blocks the group's beams held at once
 
     @property
     def is_full(self) -> bool:
@@ -133,7 +132,6 @@ class BeamSearch:
         for group in list(self.groups.values()):
             if len(group.reported) < len(group.beams):
                 continue
-            group.peak_blocks = max(group.peak_blocks, self._blocks_held(group))
             next_beams = self._advance(group)
             released += self._rebuild(group, next_beams)
             if not group.beams:
@@ -240,7 +238,8 @@ class BeamSearch:
         if request.request_id in self.scheduler.requests:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
-    def _blocks_held(self, group: BeamGroup) -> int:
+    def blocks_held(self, group: BeamGroup) -> int:
+        """Distinct KV blocks the group's beams hold now (shared blocks count once)."""
         block_ids = set()
         for beam in group.beams:
             block_ids.update(self.kv.block_ids(beam.request.request_id))

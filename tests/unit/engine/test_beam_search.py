@@ -47,7 +47,7 @@ def run_beam_search(llm, prompt, **kwargs):
 
     def tracking_resolve():
         for group in engine.beams.groups.values():
-            peaks.append(engine.beams._blocks_held(group))
+            peaks.append(engine.beams.blocks_held(group))
         assert engine.ownership_problems() == []  # parked beams still own their blocks
         result = resolve()
         assert engine.ownership_problems() == []
