@@ -243,3 +243,14 @@ def test_beam_search_refusals_name_the_field(servers):
     ]:
         response = httpx.post(f"{servers['aggregated']}/v1/completions", json={**base, **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, (extra, response.text)
+
+
+def test_beam_search_on_chat_returns_the_n_best_beams(servers):
+    out = client(servers, "aggregated").chat.completions.create(
+        model=servers["name"], messages=[{"role": "user", "content": PROMPT}], max_tokens=6, n=2,
+        extra_body={"use_beam_search": True, "best_of": 3, "ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choices = sorted(out.choices, key=lambda c: c.index)
+    assert [c.finish_reason for c in choices] == ["length", "length"]
+    token_ids = [c.model_dump()["token_ids"] for c in choices]
+    assert all(len(ids) == 6 for ids in token_ids) and token_ids[0] != token_ids[1]
