@@ -39,6 +39,12 @@ def set_token_controls(msg: pb.SamplingParams, p: SamplingParams) -> None:
         msg.prompt_logprobs = p.prompt_logprobs
     if p.pooling is not None:
         msg.pooling, msg.normalize = p.pooling, p.normalize
+    if p.use_beam_search:
+        msg.use_beam_search = True
+        msg.length_penalty = p.length_penalty
+        msg.early_stopping = {True: "true", False: "", "never": "never"}[p.early_stopping]
+    if p.best_of is not None:
+        msg.best_of = p.best_of
 
 
 def constraint_to_proto(c: Constraint) -> pb.OutputConstraint:
@@ -71,7 +77,20 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         pooling=msg.pooling or None, normalize=msg.normalize if msg.pooling else True,
         constraint=constraint_from_proto(msg),
+        **beam_search_from_proto(msg),
     )  # fmt: skip
+
+
+def beam_search_from_proto(msg: pb.SamplingParams) -> dict:
+    early_stopping = {"": False, "true": True, "never": "never"}.get(msg.early_stopping)
+    if early_stopping is None:
+        raise InvalidRequestError(f"early_stopping must be true, false or 'never', got {msg.early_stopping!r}")
+    return {
+        "use_beam_search": msg.use_beam_search,
+        "best_of": msg.best_of if msg.HasField("best_of") else None,
+        "length_penalty": msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+        "early_stopping": early_stopping,
+    }
 
 
 def token_to_proto(sample: TokenSample) -> pb.TokenOutput:

@@ -145,7 +145,10 @@ class WorkerBase:
         )  # fmt: skip
 
     async def Abort(self, request, context) -> pb.AbortResponse:
-        found = await self.engine.run(lambda: self.engine.core.abort(request.request_id))
+        if request.sample_only:
+            found = await self.engine.run(lambda: self.engine.stop_sample(request.request_id))
+        else:
+            found = await self.engine.run(lambda: self.engine.core.abort(request.request_id))
         return pb.AbortResponse(found=bool(found))
 
     async def ListCachedBlocks(self, request, context) -> pb.ListCachedBlocksResponse:

@@ -19,6 +19,7 @@ from services.common.background import BackgroundTasks
 from services.common.convert import sampling_from_proto, token_to_proto
 from services.common.worker import WorkerBase, build_parser
 from services.common.worker import main as worker_main
+from services.decode_worker.fork import resample_first_token
 from services.kv_transfer.connector import KVTransferError
 from services.kv_transfer.engine_transport import ConnectorTransport
 from services.kv_transfer.handshake import PROTOCOL_VERSION, KVCompatibilityError
@@ -129,14 +130,15 @@ class DecodeWorker(WorkerBase):
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}
-        if request.HasField("kv_handle") and params.n != 1:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "n > 1 forks after a local prefill; send n=1 with a KV handle"
-            )
+        if request.HasField("kv_handle") and params.use_beam_search:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "beam search runs whole here; send no KV handle")
         if request.HasField("kv_handle"):
             with self.tracing.span("kv_transfer", trace.set_span_in_context(span)) as kv_span:
                 admit, transfer = await self._remote_prefill(req, request, context)
                 self._describe_transfer(kv_span, request.kv_handle, transfer)
+            if params.n > 1:
+                matcher = None if params.constraint is None else core.grammar_backend().matcher(params.constraint)
+                admit = resample_first_token(req, admit, core.config.block_size, matcher)
         first = True
         try:
             async with aclosing(self.stream(req, admit)) as deltas:

@@ -25,7 +25,6 @@ from services.router.protocol import bad_request
 _OFF = object()  # no "off" value besides null / empty
 KNOWN_FIELDS: dict[str, object] = {
     # OpenAI, both endpoints
-    "best_of": 1,
     "suffix": "",
     # OpenAI chat
     "audio": _OFF,
@@ -56,8 +55,6 @@ KNOWN_FIELDS: dict[str, object] = {
     "guided_whitespace_pattern": _OFF,
     "structural_tag": _OFF,
     # vLLM sampling extras
-    "use_beam_search": False,
-    "length_penalty": 1.0,
     "include_stop_str_in_output": False,
     "spaces_between_special_tokens": True,
     "prompt_logprobs": _OFF,

@@ -65,6 +65,8 @@ class CallContext:
 
     tracing: Tracing | None = None
     trace_parent: Context | None = None  # holds the request's span: parent of the route spans
+    # Samples of forked requests the router cut (stop strings): their worker ends them at once.
+    cut_samples: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -173,8 +175,13 @@ async def _prefill(
     """First token and KV handle from a prefill worker; None means: run aggregated instead."""
     pool, tried = ctx.pools.prefill, set[str]()
     choose = ctx.kv_router.chooser(route.blocks) if ctx.kv_router and route else None
+    params = spec.params
+    if params.n > 1:
+        # A fork prefills once; its samples all draw their first token on the decode worker, so the
+        # prefill's own token is dropped and must not end the request (it holds the lease).
+        params = dataclasses.replace(params, n=1, ignore_eos=True, stop_token_ids=[], min_tokens=0)
     request = worker_pb2.PrefillRequest(
-        request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
+        request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(params)
     )
     while True:
         try:
@@ -307,6 +314,8 @@ async def _decode_on(
                 yield response
                 if finished:
                     return
+                if ctx.cut_samples:
+                    _stop_cut_samples(ctx, pool, worker, request.request_id)
             raise StreamBroke(
                 APIError(
                     500, f"decode worker {worker.address} ended the stream without a finish reason", "server_error"
@@ -344,14 +353,23 @@ async def plan_route(ctx: CallContext, spec: ChoiceSpec) -> Route | None:
     return Route(blocks, decode_worker, kv.overlap(decode_worker, blocks))
 
 
+def _stop_cut_samples(ctx: CallContext, pool: WorkerPool, worker: WorkerClient, request_id: str) -> None:
+    """Ask ``worker`` to end the samples of fork ``request_id`` that the router cut at a stop string."""
+    for sample_id in [s for s in ctx.cut_samples if s == request_id or s.startswith(f"{request_id}/")]:
+        ctx.cut_samples.discard(sample_id)
+        pool.abort(worker, sample_id, ctx.metadata, sample_only=True)
+
+
 async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """All token batches of one choice, from whichever path serves it; the last one has a finish reason."""
     request = worker_pb2.GenerateRequest(
         request_id=spec.request_id, prompt_token_ids=spec.prompt_ids, sampling=sampling_to_proto(spec.params)
     )
     route = await plan_route(ctx, spec)
+    fork = spec.params.n > 1
     disaggregate = (
-        spec.params.n == 1  # a fork prefills once on the decode worker
+        not spec.params.use_beam_search  # beam search runs whole on the decode worker
+        and not (fork and spec.params.prompt_logprobs is not None)  # a fork's prompt is scored where it forks
         and bool(ctx.pools.prefill)
         and (spec.params.max_tokens or 0) > 1
         and len(spec.prompt_ids) >= ctx.disagg_min_prompt_tokens
@@ -368,17 +386,24 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
                 yield response
         return
     prefill_worker, first = prefilled
+    if fork and not first.HasField("kv_handle"):
+        # The prefill's one sample ended at once and its blocks are gone: the fork runs aggregated.
+        async with aclosing(_decode(ctx, request, route)) as responses:
+            async for response in responses:
+                yield response
+        return
     finished = bool(first.finish_reason) or not first.HasField("kv_handle")
     try:
-        yield worker_pb2.GenerateResponse(
-            tokens=[first.first_token],
-            finish_reason=first.finish_reason,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=first.prompt_logprobs,
-        )
-        if finished:
-            return
+        if not fork:  # a fork's first tokens come from the decode worker, one per sample
+            yield worker_pb2.GenerateResponse(
+                tokens=[first.first_token],
+                finish_reason=first.finish_reason,
+                num_prompt_tokens=first.num_prompt_tokens,
+                num_cached_tokens=first.num_cached_tokens,
+                prompt_logprobs=first.prompt_logprobs,
+            )
+            if finished:
+                return
         request.sampling.ClearField("prompt_logprobs")  # the prefill worker scored the prompt
         request.first_token.CopyFrom(first.first_token)
         request.kv_handle.CopyFrom(first.kv_handle)
@@ -513,7 +538,9 @@ async def run_choices(
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run_one(spec: ChoiceSpec) -> None:
-        decoders = {child.index: make_decoder(child) for child in fork_children(spec)}
+        children = fork_children(spec)
+        decoders = {child.index: make_decoder(child) for child in children}
+        sample_ids = {child.index: child.request_id for child in children}
         stream = worker_tokens(ctx, spec)
         try:
             async for response in stream:
@@ -523,6 +550,8 @@ async def run_choices(
                 delta = decoder.add(response)
                 ctx.timer.on_tokens(delta.index, delta.num_tokens)
                 queue.put_nowait(delta)
+                if delta.finish_reason and not response.finish_reason and len(children) > 1:
+                    ctx.cut_samples.add(sample_ids[delta.index])  # a stop string: the worker can stop it now
                 if delta.finish_reason:
                     ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
                     if all(d.finish_reason is not None for d in decoders.values()):

@@ -129,6 +129,11 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None  # score the prompt, with this many alternatives per token
+    # ---- beam search (vLLM extras; shared.engine.beam_search): best_of beams, the n best returned
+    use_beam_search: bool = False
+    best_of: StrictInt | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @property
     def include_usage(self) -> bool:
@@ -140,8 +145,12 @@ class SamplingRequest(RequestBody):
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None, **token_controls: Any) -> SamplingParams:
         """Validated engine params for one choice (``n`` stays on the request: the router fans out)."""
+        beam_search: dict[str, Any] = {
+            "use_beam_search": self.use_beam_search, "best_of": self.best_of,
+            "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
+        }  # fmt: skip
         try:
-            SamplingParams(n=self.n, max_tokens=max_tokens)
+            SamplingParams(n=self.n, max_tokens=max_tokens, **beam_search)
             return SamplingParams(
                 n=1,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -160,6 +169,7 @@ class SamplingRequest(RequestBody):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 **token_controls,
+                **(beam_search | {"best_of": None if self.best_of == self.n else self.best_of}),
             )
         except InvalidRequestError as e:
             # The engine's messages start with the offending field's name.

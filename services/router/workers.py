@@ -223,8 +223,11 @@ class WorkerPool:
 
         self._background.spawn(runner(), what)
 
-    def abort(self, worker: WorkerClient, request_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
-        req = worker_pb2.AbortRequest(request_id=request_id)
+    def abort(
+        self, worker: WorkerClient, request_id: str, metadata: tuple[tuple[str, str], ...], sample_only: bool = False
+    ) -> None:
+        """Abort a request on ``worker`` (in the background); ``sample_only``: just that sample of a fork."""
+        req = worker_pb2.AbortRequest(request_id=request_id, sample_only=sample_only)
         self.spawn(worker.stub.Abort(req, metadata=metadata, timeout=ABORT_TIMEOUT_S), "abort")
 
     def release_kv(self, worker: WorkerClient, request_id: str, metadata: tuple[tuple[str, str], ...]) -> None:

@@ -148,6 +148,33 @@ class AsyncEngine:
                 ids = [request.request_id] + [f"{request.request_id}/{i}" for i in range(1, request.sampling_params.n)]
                 self.submit(lambda: [self.core.abort(i) for i in ids], "abort")
 
+    def stop_sample(self, request_id: str) -> bool:
+        """End one sample of a forked request early (engine thread: submit with ``call``/``run``).
+
+        The client cut it, e.g. at a stop string: its blocks are freed now and its stream sees it
+        finish with reason "stop" while its siblings go on. False if ``request_id`` is no running
+        sample of a fork.
+        """
+        request = self.core.scheduler.requests.get(request_id)
+        if request is None or request.pending_children or self.core.beams.owns(request_id):
+            return False
+        if request.parent_request_id is None and request.sampling_params.n == 1:
+            return False  # not a fork: Abort ends the whole request
+        self.core.abort(request_id)
+        self._publish(
+            RequestOutputDelta(
+                request_id=request_id,
+                new_token_ids=[],
+                finished=True,
+                finish_reason="stop",
+                parent_request_id=request.parent_request_id,
+                sample_index=request.seed_offset,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+        )
+        return True
+
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutputDelta]:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
+from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnectorScheduler
@@ -120,6 +121,7 @@ class EngineCore:
         )
         # Remote KV (a decode worker's pulls) enters through the connector's scheduler side.
         self.kv_connector = KVConnectorScheduler(self.kv, self.scheduler, self.leases)
+        self.beams = BeamSearch(self.scheduler, self.kv)
         self.runner = ModelRunner(
             self.model,
             self.model_config,
@@ -188,9 +190,11 @@ class EngineCore:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests or request_id in self.leases:
+        if request_id in self.scheduler.requests or request_id in self.leases or request_id in self.beams.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = self._new_request(request_id, prompt_token_ids, params)
+        if params.use_beam_search:
+            return self.beams.start(request)
         request.pending_children = [
             self._new_request(f"{request_id}/{i}", prompt_token_ids, params, parent=request_id, index=i)
             for i in range(1, params.n)
@@ -256,7 +260,13 @@ class EngineCore:
         return request
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request, or free its finished prefill's lease; False if neither exists."""
+        """Stop a request (a beam-search group: all its beams), or free its finished prefill's lease;
+        False if neither exists."""
+        beam_ids = self.beams.abort(request_id)
+        if beam_ids is not None:
+            for beam_id in beam_ids:
+                self.runner.release(beam_id)
+            return True
         request = self.scheduler.abort(request_id)
         if request is None:
             return self.leases.release(request_id, kinds=(LEASE,))
@@ -294,10 +304,21 @@ class EngineCore:
                 self.num_prompt_tokens_computed += min(len(seq.token_ids), len(seq.prompt_token_ids) - seq.start_pos)
         for request, sample in self.scheduler.update_from_output(sched, samples):
             self.num_generation_tokens += 1
+            if self.beams.groups and self.beams.owns(request.request_id):
+                self.beams.report(request, sample)
+                continue
             delta = self._delta(request, sample)
             delta.embedding = embeddings.get(request.request_id)
             deltas.append(delta)
+        if self.beams.groups:
+            deltas += self._resolve_beams()
         return deltas
+
+    def _resolve_beams(self) -> list[RequestOutputDelta]:
+        finished, released = self.beams.resolve()
+        for beam_id in released:
+            self.runner.release(beam_id)
+        return [delta for group in finished for delta in beam_deltas(group)]
 
     def _delta(self, request: Request, sample: TokenSample) -> RequestOutputDelta:
         finished = request.is_finished
@@ -343,3 +364,25 @@ class EngineCore:
             num_leases_expired=self.leases.num_expired,
             num_pull_cached_tokens=self.kv_connector.num_local_hit_tokens,
         )
+
+
+def beam_deltas(group: BeamGroup) -> list[RequestOutputDelta]:
+    """One finished delta per returned hypothesis, best first, shaped like an n>1 request's children."""
+    deltas = []
+    for index, hypothesis in enumerate(group.results):
+        deltas.append(
+            RequestOutputDelta(
+                request_id=group.request_id if index == 0 else f"{group.request_id}/{index}",
+                new_token_ids=list(hypothesis.token_ids),
+                new_samples=[
+                    TokenSample(t, lp) for t, lp in zip(hypothesis.token_ids, hypothesis.logprobs, strict=True)
+                ],
+                finished=True,
+                finish_reason=hypothesis.finish_reason,
+                parent_request_id=None if index == 0 else group.request_id,
+                sample_index=index,
+                num_prompt_tokens=group.num_prompt_tokens,
+                num_cached_tokens=group.num_cached_tokens,
+            )
+        )
+    return deltas

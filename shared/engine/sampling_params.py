@@ -44,6 +44,11 @@ class SamplingParams:
     pooling: str | None = None
     normalize: bool = True  # L2-normalize the pooled embedding
     constraint: Constraint | None = None  # structured output: JSON schema, regex, choice or grammar
+    # Beam search (shared.engine.beam_search): best_of beams (default n), the n best returned.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0  # a finished beam scores sum(logprobs) / num_tokens ** length_penalty
+    early_stopping: bool | str = False  # as transformers: True, False (heuristic) or "never"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +101,7 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             fail(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         self._validate_token_controls(fail)
+        self._validate_beam_search(fail)
 
     def _validate_token_controls(self, fail: Callable[[str], None]) -> None:
         for token_id, bias in self.logit_bias.items():
@@ -109,6 +115,42 @@ class SamplingParams:
             fail("allowed_token_ids must be a non-empty list of token ids")
         if any(not word or any(t < 0 for t in word) for word in self.bad_words_token_ids):
             fail("bad_words_token_ids must be non-empty lists of token ids")
+
+    def _validate_beam_search(self, fail: Callable[[str], None]) -> None:
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            fail(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.early_stopping not in (True, False, "never"):
+            fail(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                fail("best_of other than n needs use_beam_search=true")
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                fail("length_penalty and early_stopping need use_beam_search=true")
+            return
+        if self.beam_width > 10:
+            fail(f"beam search takes at most 10 beams (best_of or n), got {self.beam_width}")
+        if self.temperature not in (0.0, 1.0):
+            # Beams are scored by the model's own log-probabilities; tempered scores are not implemented.
+            fail(f"temperature must be 0 or 1 with use_beam_search, got {self.temperature}")
+        refused = {
+            "stop": bool(self.stop),
+            "min_tokens": self.min_tokens > 0,
+            "logprobs": bool(self.logprobs),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured output": self.constraint is not None,
+            "embeddings": self.pooling is not None,
+            "top_p": self.top_p < 1.0,
+            "top_k": self.top_k > 0,
+            "min_p": self.min_p > 0.0,
+        }
+        for name, present in refused.items():
+            if present:
+                fail(f"{name} cannot be combined with use_beam_search")
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step in beam search: best_of, else n."""
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:

@@ -177,12 +177,80 @@ def test_embeddings_equal_transformers_pooled_the_same_way(servers, hf_hidden):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
 
 
+def routed(servers, path: str) -> dict[str, float]:
+    """The router's sequences by route taken (aggregated / disaggregated)."""
+    counts = {"aggregated": 0.0, "disaggregated": 0.0}
+    for line in httpx.get(f"{servers[path]}/metrics").text.splitlines():
+        if line.startswith("cleave_router_routed_sequences_total{"):
+            for route in counts:
+                if f'"{route}"' in line:
+                    counts[route] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 @pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
 def test_n_is_one_engine_fork_equal_to_the_offline_engine(servers, model_dir, path):
     llm = LLM(model=str(model_dir), dtype="float32", num_blocks=256)
     params = SamplingParams(n=4, temperature=0.9, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True)
     [expected] = llm.generate([llm.tokenizer.encode(PROMPT)], params)
+    before = routed(servers, path)
     out = complete(servers, path, n=4, temperature=0.9, seed=11, return_token_ids=True)
     got = {c.index: c.model_dump()["token_ids"] for c in out.choices}
     assert [got[i] for i in range(4)] == [o.token_ids for o in expected.outputs]
     assert len({tuple(ids) for ids in got.values()}) > 1
+    # With a prefill pool the fork prefills once there, is pulled once and forks on the decode worker.
+    after = routed(servers, path)
+    assert after[path] - before[path] == 1 and sum(after.values()) - sum(before.values()) == 1
+
+
+# ---- beam search: runs whole on the decode worker on both paths ---------------------------------------
+
+
+@pytest.mark.parametrize("path", ["aggregated", "disaggregated"])
+def test_beam_search_equals_transformers(servers, model_dir, path):
+    from tests.unit.engine.test_beam_search import hf_beam_search
+
+    llm_tokenizer = LLM(model=str(model_dir), dtype="float32", num_blocks=64).tokenizer
+    prompt_ids = llm_tokenizer.encode(PROMPT)
+    expected = hf_beam_search(
+        model_dir, prompt_ids, num_beams=4, num_return=3, max_tokens=8, length_penalty=0.5, early_stopping=False
+    )
+    out = client(servers, path).completions.create(
+        model=servers["name"], prompt=PROMPT, max_tokens=8, n=3,
+        extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5, "return_token_ids": True},
+    )  # fmt: skip
+    got = {c.index: c.model_dump()["token_ids"] for c in out.choices}
+    assert [got[i] for i in range(3)] == expected
+    assert out.usage.completion_tokens == sum(len(ids) for ids in expected)
+    chunks = client(servers, path).completions.create(
+        model=servers["name"], prompt=PROMPT, max_tokens=8, n=3, stream=True,
+        extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5},
+    )  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_beam_search_refusals_name_the_field(servers):
+    base = {"model": servers["name"], "prompt": PROMPT, "max_tokens": 4}
+    for extra, param in [
+        ({"use_beam_search": True, "n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 3}, "best_of"),
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+        ({"length_penalty": 2.0}, "length_penalty"),
+    ]:
+        response = httpx.post(f"{servers['aggregated']}/v1/completions", json={**base, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (extra, response.text)
+
+
+def test_beam_search_on_chat_returns_the_n_best_beams(servers):
+    out = client(servers, "aggregated").chat.completions.create(
+        model=servers["name"], messages=[{"role": "user", "content": PROMPT}], max_tokens=6, n=2,
+        extra_body={"use_beam_search": True, "best_of": 3, "ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choices = sorted(out.choices, key=lambda c: c.index)
+    assert [c.finish_reason for c in choices] == ["length", "length"]
+    token_ids = [c.model_dump()["token_ids"] for c in choices]
+    assert all(len(ids) == 6 for ids in token_ids) and token_ids[0] != token_ids[1]

@@ -92,3 +92,30 @@ def test_fire_and_forget_command_failures_are_logged(checkpoint_factory, caplog)
         assert engine.error is None  # a command's error does not stop the loop
     finally:
         engine.shutdown()
+
+
+def test_stop_sample_ends_one_sample_of_a_fork_and_frees_its_blocks(checkpoint_factory):
+    model_dir = checkpoint_factory("llama")
+    engine = make_engine(model_dir)
+    params = SamplingParams(n=3, temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)
+
+    async def run():
+        tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        reasons: dict[int, str | None] = {}
+        async for delta in engine.generate("fork", list(range(5, 25)), params):
+            tokens[delta.sample_index] += delta.new_token_ids
+            if delta.finished:
+                reasons[delta.sample_index] = delta.finish_reason
+            if delta.sample_index == 1 and len(tokens[1]) == 2 and not delta.finished:
+                assert await engine.run(lambda: engine.stop_sample("fork/1"))
+                assert not await engine.run(lambda: engine.stop_sample("fork/1"))  # already gone
+        return tokens, reasons
+
+    try:
+        tokens, reasons = asyncio.run(run())
+        assert reasons == {0: "length", 1: "stop", 2: "length"}
+        assert len(tokens[1]) < 30 and len(tokens[0]) == len(tokens[2]) == 30
+        assert engine.core.stats().num_free_blocks == engine.core.num_blocks
+        assert not asyncio.run(engine.run(lambda: engine.stop_sample("nothing")))
+    finally:
+        engine.shutdown()

@@ -52,6 +52,7 @@ class WorkerScript:
     prefill_requests: list = field(default_factory=list)
     generate_requests: list = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    aborted_samples: list[str] = field(default_factory=list)  # Abort(sample_only): one sample of a fork
     released: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
@@ -109,7 +110,10 @@ class _Health:
         return worker_pb2.LoadStatsResponse(num_free_blocks=100, num_total_blocks=100)
 
     def Abort(self, request, context):
-        self.script.aborted.append(request.request_id)
+        if request.sample_only:
+            self.script.aborted_samples.append(request.request_id)
+        else:
+            self.script.aborted.append(request.request_id)
         return worker_pb2.AbortResponse(found=True)
 
 
@@ -180,7 +184,9 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
             sampling.CopyFrom(request.sampling)
             if sample and sampling.HasField("seed"):
                 sampling.seed = (sampling.seed + sample + 2**63) % 2**64 - 2**63  # wraps within int64
-            position = 1 if request.HasField("first_token") else 0
+            # After a prefill the first token is the client's already, except in a fork: the decode
+            # worker draws every sample's first token itself.
+            position = 1 if request.HasField("first_token") and request.sampling.n <= 1 else 0
             batch, finish = [], ""
             while not finish and context.is_active():
                 token, finish = script.output(sampling, position)

@@ -193,9 +193,11 @@ def test_n2_is_one_forked_request_with_distinct_seeds(router, script, tokenizer)
     body = post(router, {"prompt": "Hi", "max_tokens": 4, "n": 2, "seed": 3}).json()
     choices = sorted(body["choices"], key=lambda c: c["index"])
     assert [c["text"] for c in choices] == [tokenizer.decode(script.ids(4, seed=s)) for s in (3, 4)]
-    # One prefill (on the decode worker) and the engine's fork, instead of n requests.
+    # One prefill (one sample, on the prefill worker), one pull and the engine's fork, instead of n requests.
     [generate] = script.generate_requests
-    assert generate.sampling.n == 2 and generate.sampling.seed == 3 and not script.prefill_requests
+    assert generate.sampling.n == 2 and generate.sampling.seed == 3 and generate.HasField("kv_handle")
+    [prefill] = script.prefill_requests
+    assert prefill.sampling.n == 1 and prefill.sampling.ignore_eos
     assert body["usage"]["completion_tokens"] == 8
 
 
