@@ -31,7 +31,7 @@ RUN python -m venv /opt/cleave \
  && extras=$([ "$FLAVOR" = cuda ] && echo "[nixl]" || true) \
  && /opt/cleave/bin/pip install --no-cache-dir "$(ls /wheels/cleave-*.whl)${extras}"
 RUN mkdir -p /opt/cleave/lib \
- && gcc -O3 -march=${CPU_KERNEL_MARCH} -fopenmp -shared -fPIC -ffast-math shared/kernels/csrc/fused_ops.c shared/kernels/csrc/paged_decode.c shared/kernels/csrc/paged_prefill.c -o /opt/cleave/lib/cpu_kernels.so -lm
+ && /opt/cleave/bin/python -m shared.kernels.cpu_kernels /opt/cleave/lib/cpu_kernels.so --march ${CPU_KERNEL_MARCH}
 
 # ---- runtime: no compiler, non-root, read-only root filesystem friendly ----------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -32,7 +32,11 @@ logger = logging.getLogger("cleave.kernels")
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # -ffast-math lets the reductions vectorize and exp use glibc's vector variants; the
 # kernel never produces infinities or NaNs (scores start from -FLT_MAX), as it assumes.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffast-math"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math"]
+# Linked without -ffast-math: gcc would add crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (torch included) as soon as the library loads.
+LINK_FLAGS = ["-shared", "-fopenmp"]
+FLAGS = [*COMPILE_FLAGS, "|", *LINK_FLAGS]  # what the cache key describes
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -63,11 +67,22 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], check=True, capture_output=True,
-                       timeout=120)  # fmt: skip
+        build_library(compiler, built)
         os.replace(built, target)  # atomic: several workers may build at once
     logger.info("cpu_kernels_built path=%s", target)
     return target
+
+
+def build_library(compiler: str, output: Path, march: str = "native") -> None:
+    """Compile every ``csrc/*.c`` with ``COMPILE_FLAGS`` and link them into the shared library ``output``."""
+    compile_flags = [f"-march={march}" if flag.startswith("-march=") else flag for flag in COMPILE_FLAGS]
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        for source, obj in zip(SOURCES, objects, strict=True):
+            subprocess.run([compiler, *compile_flags, "-c", str(source), "-o", obj], check=True, capture_output=True,
+                           timeout=120)  # fmt: skip
+        subprocess.run([compiler, *LINK_FLAGS, *objects, "-o", str(output), "-lm"], check=True, capture_output=True,
+                       timeout=120)  # fmt: skip
 
 
 def load() -> ctypes.CDLL | None:
@@ -242,3 +257,14 @@ def rope_(
     assert lib is not None
     lib.rope_f32(qk.data_ptr(), qk.stride(0), qk.shape[0], num_heads_total, head_dim, cos.data_ptr(), sin.data_ptr())
     return True
+
+
+if __name__ == "__main__":  # the image's build stage: python -m shared.kernels.cpu_kernels OUT [--march M]
+    import argparse
+
+    parser = argparse.ArgumentParser(description="build the native CPU kernels into one shared library")
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--march", default="native", help="gcc -march value (the image builds for a baseline CPU)")
+    parser.add_argument("--cc", default=os.environ.get("CC", "gcc"))
+    cli = parser.parse_args()
+    build_library(cli.cc, cli.output, cli.march)

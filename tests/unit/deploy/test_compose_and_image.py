@@ -91,18 +91,21 @@ def test_dockerfile_is_multi_stage_non_root_and_compiler_free_at_run_time() -> N
 def test_kernel_built_like_the_image_loads_without_a_compiler(tmp_path) -> None:
     text = _dockerfile()
     march = re.search(r"^ARG CPU_KERNEL_MARCH=(\S+)", text, flags=re.M).group(1)
-    (line,) = [ln.strip() for ln in text.splitlines() if "gcc -O3" in ln]
+    (line,) = [ln.strip() for ln in text.splitlines() if "-m shared.kernels.cpu_kernels" in ln]
     argv = shlex.split(line.removeprefix("&& ").replace("${CPU_KERNEL_MARCH}", march))
     flags_ok = march != "x86-64-v3" or "avx2" in open("/proc/cpuinfo").read()
     if not flags_ok:
-        argv = [a.replace(f"-march={march}", "-march=native") for a in argv]
-    library = tmp_path / "paged_decode.so"
-    argv[argv.index("-o") + 1] = str(library)
-    subprocess.run(argv, check=True, cwd=REPO, capture_output=True, timeout=120)
+        argv[argv.index("--march") + 1] = "native"
+    library = tmp_path / "cpu_kernels.so"
+    argv[0], argv[argv.index("/opt/cleave/lib/cpu_kernels.so")] = sys.executable, str(library)
+    subprocess.run(argv, check=True, cwd=REPO, capture_output=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     probe = (
-        "import shutil; from shared.kernels import cpu_kernels;"
+        "import shutil, torch; from shared.kernels import cpu_kernels;"
         "assert shutil.which('cc') is None and shutil.which('gcc') is None;"
-        "print(cpu_kernels.load() is not None)"
+        "tiny = torch.tensor([1e-39]); ok = cpu_kernels.load() is not None;"
+        "assert (tiny * 1.0).item() != 0.0, 'loading the kernel turned on flush-to-zero';"
+        "print(ok)"
     )
     env = {**os.environ, "CLEAVE_CPU_KERNEL_LIB": str(library), "PATH": os.path.dirname(sys.executable),
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}  # fmt: skip
