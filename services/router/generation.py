@@ -27,7 +27,7 @@ from opentelemetry.context import Context
 from services.common.convert import constraint_to_proto, set_token_controls
 from services.router.kv_routing import Chooser, KVRouter, PromptBlocks
 from services.router.metrics import RequestTimer, RouterMetrics
-from services.router.protocol import APIError
+from services.router.protocol import APIError, choice_params
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
 from shared.engine.sampling_params import SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2
@@ -519,16 +519,9 @@ def fork_children(spec: ChoiceSpec) -> list[ChoiceSpec]:
     params = dataclasses.replace(spec.params, n=1)
     return [
         dataclasses.replace(spec, index=spec.index + i, request_id=f"{spec.request_id}/{i}" if i else spec.request_id,
-                            params=choice_params_of(params, i))
+                            params=choice_params(params, i))
         for i in range(spec.params.n)
     ]  # fmt: skip
-
-
-def choice_params_of(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample ``index`` of a fork draws with ``seed + index``, as the engine's children do."""
-    if params.seed is None or index == 0:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)
 
 
 async def run_choices(
