@@ -24,7 +24,7 @@ from services.router.fields import check_fields
 from services.router.generation import CallContext, ChoiceSpec, worker_tokens
 from services.router.metrics import RequestTimer
 from services.router.protocol import RequestBody, bad_request
-from services.router.serving import check_model
+from services.router.serving import check_model, input_items
 from services.router.token_controls import check_vocab, truncate_prompt
 from shared.engine.sampling_params import SamplingParams
 
@@ -48,14 +48,7 @@ class EmbeddingRequest(RequestBody):
 
 def embedding_inputs(req: EmbeddingRequest, state: RouterState, max_model_len: int) -> list[list[int]]:
     """The ``input`` field as token id lists (strings are encoded with the model's special tokens)."""
-    raw = req.input
-    items: list[str | list[int]]
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        items = [raw]  # type: ignore[list-item]  # one input: a string or one list of ids
-    else:
-        items = list(raw)  # type: ignore[arg-type]  # several inputs
-    if not items or any(len(item) == 0 for item in items):
-        raise bad_request("input must not be empty", "input")
+    items = input_items(req.input, "input")
     if len(items) > MAX_INPUTS:
         raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
     prompts = []

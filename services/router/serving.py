@@ -156,18 +156,23 @@ def check_text_fits(text: str, tokenizer: Tokenizer, max_model_len: int, param: 
         )
 
 
+def input_items(value, field: str) -> list[str | list[int]]:
+    """A prompt-like field as a list of items: a string, strings, token ids, or lists of token ids."""
+    items: list[str | list[int]]
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        items = [value]  # one item: a string or one list of ids
+    else:
+        items = list(value)  # several items
+    if not items or any(len(item) == 0 for item in items):
+        raise bad_request(f"{field} must not be empty", field)
+    return items
+
+
 def completion_prompts(
     req: CompletionRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int | None = None
 ) -> list[list[int]]:
     """The prompt field as token id lists: a string, strings, token ids, or lists of token ids."""
-    prompt = req.prompt
-    items: list[str | list[int]]
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        items = [prompt]  # type: ignore[list-item]  # one prompt: a string or one list of ids
-    else:
-        items = list(prompt)  # type: ignore[arg-type]  # several prompts
-    if not items or any(len(p) == 0 for p in items):
-        raise bad_request("prompt must not be empty", "prompt")
+    items = input_items(req.prompt, "prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
