@@ -12,7 +12,7 @@ from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.pooling import Pooler
 from shared.engine.prompt_logprobs import compute_prompt_logprobs
 from shared.engine.request import TokenSample
-from shared.engine.sampler import Sampler, SamplingBatch, make_generator
+from shared.engine.sampler import Sampler, SamplingBatch, make_generator, token_seed
 from shared.engine.scheduler import SchedulerOutput
 from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig
@@ -84,10 +84,14 @@ class ModelRunner:
         self._generators.pop(request_id, None)
         self.pooler.release(request_id)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, request_id: str, seed: int | None, index: int) -> torch.Generator | None:
+        """The request's generator, seeded for its output token ``index`` (None when unseeded)."""
         if request_id not in self._generators:
             self._generators[request_id] = make_generator(seed, self.device)
-        return self._generators[request_id]
+        generator = self._generators[request_id]
+        if generator is not None and seed is not None:
+            generator.manual_seed(token_seed(seed, index))
+        return generator
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         query_lens = [len(s.token_ids) for s in sched.seqs]
@@ -149,7 +153,8 @@ class ModelRunner:
                 outputs.append(seq.output_token_ids)
                 matchers.append(seq.matchers[j] if seq.matchers else None)
                 seed = seq.sampling_params.seed
-                generators.append(self._generator(sample_id, None if seed is None else seed + seq.seed_offset + j))
+                sample_seed = None if seed is None else seed + seq.seed_offset + j
+                generators.append(self._generator(sample_id, sample_seed, len(seq.output_token_ids)))
         if not rows:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [B, vocab]

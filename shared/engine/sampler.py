@@ -17,7 +17,11 @@ Order of operations on each row's logits:
    `argmax(probs / Exponential(1))`, which draws from `probs` exactly.
 
 Rows with a seed draw their noise from their own `torch.Generator`, so their
-tokens do not depend on what else is in the batch.
+tokens do not depend on what else is in the batch. Before each draw the generator
+is seeded with `token_seed(seed, index of the output token)`: the noise is a
+function of those two numbers only, so a worker that resumes a request (after a
+migration, or after the prefill worker sampled the first token) draws exactly
+what an uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -35,12 +39,31 @@ from shared.engine.token_constraints import TokenConstraints, apply_token_constr
 _NEG_INF = float("-inf")
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """One step of splitmix64: a fixed bijective mix of a 64-bit value."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``, in [0, 2**63).
+
+    ``seed`` is read modulo 2**64, so a seed and its int64 wrap-around are the same seed.
+    """
+    return _splitmix64((_splitmix64(seed & _MASK64) + index) & _MASK64) >> 1
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator seeded for one request, or None for an unseeded one."""
+    """A generator seeded for one request's first output token, or None for an unseeded one."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(token_seed(seed, 0))
     return generator
 
 
