@@ -28,6 +28,7 @@ except ImportError:
 PROMPTS = ["the weather today", "once upon a time there was", "hello", "a long story about the sea and the ships"]
 CHAT = [{"role": "user", "content": "tell me about the garden"}]
 MAX_TOKENS = 12
+SEED = 77
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,8 @@ def reference(model_dir):
     # The template already carries BOS: like the router, do not add special tokens again.
     chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
     texts["chat"] = llm.generate([chat_ids], params)[0].outputs[0].text
+    seeded = SamplingParams(temperature=0.9, seed=SEED, max_tokens=MAX_TOKENS, ignore_eos=True)
+    texts |= {f"seeded:{p}": llm.generate([p], seeded)[0].outputs[0].text for p in PROMPTS[:2]}
     return texts
 
 
@@ -105,6 +108,18 @@ def test_completions_and_chat_match_offline(cluster, reference, model_dir):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == reference["chat"]
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
     wait_all_free(cluster["prefill"], cluster["decode"])
+
+
+def test_seeded_completions_match_offline(cluster, reference):
+    """Seeded sampling across prefill (first token) and decode (the rest) draws what one engine draws."""
+    c = client(cluster["base"])
+    name = c.models.list().data[0].id
+    for prompt in PROMPTS[:2]:
+        out = c.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.9, seed=SEED,
+                                   extra_body={"ignore_eos": True})  # fmt: skip
+        assert out.choices[0].text == reference[f"seeded:{prompt}"]
+        assert out.choices[0].text != reference[prompt], "sampled, not greedy"
+    assert scrape(cluster["decode"].info["metrics_port"], "cleave_kv_transfer_bytes_total") > 0
 
 
 def test_concurrent_streams_transfer_kv_and_leak_nothing(cluster, reference):
