@@ -27,6 +27,7 @@ from opentelemetry.context import Context
 from services.common.convert import constraint_to_proto, set_token_controls
 from services.router.kv_routing import Chooser, KVRouter, PromptBlocks
 from services.router.metrics import RequestTimer, RouterMetrics
+from services.router.migration import Moves, Progress, merge_samples, migrated_request, sample_id, sample_request
 from services.router.protocol import APIError, choice_params
 from services.router.workers import NoWorkerAvailable, WorkerClient, WorkerPool, WorkerPools
 from shared.engine.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class CallContext:
     trace_parent: Context | None = None  # holds the request's span: parent of the route spans
     # Samples of forked requests the router cut (stop strings): their worker ends them at once.
     cut_samples: set[str] = field(default_factory=set)
+    ended_samples: set[str] = field(default_factory=set)  # every sample cut so far (cut_samples empties)
 
 
 @dataclass
@@ -227,40 +229,29 @@ class StreamBroke(Exception):
         self.error = error
 
 
-def migrated_request(request: worker_pb2.GenerateRequest, generated: list[int]) -> worker_pb2.GenerateRequest:
-    """The same request for another decode worker: prompt plus the tokens the client already has."""
-    moved = worker_pb2.GenerateRequest()
-    moved.CopyFrom(request)
-    moved.ClearField("first_token")
-    moved.ClearField("kv_handle")
-    del moved.generated_token_ids[:]
-    moved.generated_token_ids.extend(generated)
-    return moved
-
-
 async def _decode(
-    ctx: CallContext, request: worker_pb2.GenerateRequest, route: Route | None = None
+    ctx: CallContext, request: worker_pb2.GenerateRequest, route: Route | None = None, moves: Moves | None = None
 ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """Stream ``Generate`` from a decode worker, moving on to another one if a worker is unreachable,
-    and migrating the request (prompt + tokens so far) if its worker fails mid-stream."""
-    pool, tried = ctx.pools.decode, set[str]()
+    and migrating the request (prompt + tokens so far) if its worker fails mid-stream.
+
+    ``moves``: the history of a request that already moved (a sample of a fork that goes on alone).
+    """
+    pool = ctx.pools.decode
+    moves = moves or Moves()
     preferred = route.decode_worker if route and route.decode_worker in pool.workers else None
     choose = ctx.kv_router.chooser(route.blocks) if ctx.kv_router and route else None
-    # Tokens the client has: the prefill worker's first token, then what decode streams yield.
-    generated = [request.first_token.token_id] if request.HasField("first_token") else []
-    generated.extend(request.generated_token_ids)
-    num_migrations = 0
-    broken: APIError | None = None  # why the last stream failed, if one did
+    progress = Progress.of(request)  # what the client has: tokens per sample, finished samples
     # Whether the next pick resumes a broken stream (a migration) or re-sends a call that never reached its
     # worker (a retry); each broken stream counts once under one outcome.
     moving = retrying = False
     while True:
         try:
-            worker = preferred or await _pick(ctx, pool, tried, choose)
+            worker = preferred or await _pick(ctx, pool, moves.tried, choose)
         except NoWorkerAvailable as e:
             if moving:
                 ctx.metrics.migrations.labels("no_worker").inc()
-            raise broken or APIError(503, str(e), "service_unavailable") from None
+            raise moves.broken or APIError(503, str(e), "service_unavailable") from None
         if moving:
             ctx.metrics.migrations.labels("migrated").inc()
         elif retrying:
@@ -268,24 +259,49 @@ async def _decode(
         preferred, moving, retrying = None, False, False
         try:
             async for response in _decode_on(ctx, pool, worker, request, route):
-                generated.extend(t.token_id for t in response.tokens)
+                progress.add(response)
                 yield response
             return
         except WorkerUnreachable:
-            tried.add(worker.address)
+            moves.tried.add(worker.address)
             retrying = True
         except StreamBroke as broke:
-            tried.add(worker.address)
-            # A forked request (n > 1 on the worker) has one token list per sample: not migrated.
-            if num_migrations >= ctx.migration_limit or request.sampling.n > 1:
+            moves.tried.add(worker.address)
+            # Beam search sends its hypotheses only when it ends: once one reached the client the others
+            # died with the worker, so it ends with the error; with nothing sent yet it runs again, whole.
+            beam_sent = request.sampling.use_beam_search and progress.num_responses > 0
+            if moves.num_migrations >= ctx.migration_limit or beam_sent:
                 ctx.metrics.migrations.labels("refused").inc()
                 raise broke.error from None
-            num_migrations += 1
-            moving = True
+            moves.num_migrations += 1
+            moves.broken = broke.error
             logger.warning("stream_migrated request_id=%s from=%s generated=%d migration=%d reason=%r",
-                           request.request_id, worker.address, len(generated), num_migrations, broke.error.message)  # fmt: skip
-            request = migrated_request(request, generated)
-            broken = broke.error
+                           request.request_id, worker.address, sum(map(len, progress.tokens.values())),
+                           moves.num_migrations, broke.error.message)  # fmt: skip
+            if request.sampling.use_beam_search:
+                moving = True  # the same request again
+            elif request.sampling.n > 1:
+                ctx.metrics.migrations.labels("migrated").inc()
+                async with aclosing(_decode_samples(ctx, request, progress, moves)) as responses:
+                    async for response in responses:
+                        yield response
+                return
+            else:
+                moving = True
+                request = migrated_request(request, progress.tokens[0])
+
+
+def _decode_samples(
+    ctx: CallContext, fork: worker_pb2.GenerateRequest, progress: Progress, moves: Moves
+) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+    """A broken fork goes on as one single-sample request per sample not yet finished (nor cut)."""
+    ended = {i for i in progress.open_samples() if sample_id(fork.request_id, i) in ctx.ended_samples}
+    streams = {
+        index: _decode(ctx, sample_request(fork, index, progress.tokens[index]), None, moves.branch())
+        for index in progress.open_samples()
+        if index not in ended
+    }
+    return merge_samples(streams, lambda index: sample_id(fork.request_id, index) in ctx.ended_samples)
 
 
 async def _decode_on(
@@ -355,9 +371,9 @@ async def plan_route(ctx: CallContext, spec: ChoiceSpec) -> Route | None:
 
 def _stop_cut_samples(ctx: CallContext, pool: WorkerPool, worker: WorkerClient, request_id: str) -> None:
     """Ask ``worker`` to end the samples of fork ``request_id`` that the router cut at a stop string."""
-    for sample_id in [s for s in ctx.cut_samples if s == request_id or s.startswith(f"{request_id}/")]:
-        ctx.cut_samples.discard(sample_id)
-        pool.abort(worker, sample_id, ctx.metadata, sample_only=True)
+    for cut_id in [s for s in ctx.cut_samples if s == request_id or s.startswith(f"{request_id}/")]:
+        ctx.cut_samples.discard(cut_id)
+        pool.abort(worker, cut_id, ctx.metadata, sample_only=True)
 
 
 async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
@@ -545,6 +561,7 @@ async def run_choices(
                 queue.put_nowait(delta)
                 if delta.finish_reason and not response.finish_reason and len(children) > 1:
                     ctx.cut_samples.add(sample_ids[delta.index])  # a stop string: the worker can stop it now
+                    ctx.ended_samples.add(sample_ids[delta.index])
                 if delta.finish_reason:
                     ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
                     if all(d.finish_reason is not None for d in decoders.values()):

@@ -184,7 +184,12 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
+    return dataclasses.replace(params, seed=wrapped_seed(params.seed, index))
+
+
+def wrapped_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: ``seed + index`` wrapped within int64."""
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 # The mixins' own configs would otherwise replace RequestBody's: undeclared fields must stay visible.

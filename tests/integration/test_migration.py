@@ -1,6 +1,7 @@
-"""Streams that survive: a decode worker SIGKILLed under 20 streams. With migration every stream
-finishes with the text of an uninterrupted run; with ``--migration-limit 0`` each stream on the
-dead worker ends with an error event within a second. No blocks stay held on the survivors."""
+"""Streams that survive: a decode worker SIGKILLed under 20 streams (greedy and seeded). With migration
+every stream finishes with the text of an uninterrupted run, and so does every choice of forked
+``n = 3`` streams; with ``--migration-limit 0`` each stream on the dead worker ends with an error event
+within a second. No blocks stay held on the survivors."""
 
 from __future__ import annotations
 
@@ -17,13 +18,21 @@ from tests.integration.test_cluster import load_stats, wait_all_free
 NUM_STREAMS = 20
 MAX_TOKENS = 300
 PROMPTS = [f"the weather on day {i} was" for i in range(NUM_STREAMS)]
+NUM_FORKS = 6
+
+
+def sampling(i: int, n: int) -> dict:
+    """Greedy and seeded streams, mixed so that round-robin puts both kinds on every worker (the streams
+    start in order): single streams alternate by rounds of 4 (the decode workers), forks one by one."""
+    seeded = (i // 4) % 2 if n == 1 else i % 2
+    return {"temperature": 0.9, "seed": 1000 + i} if seeded else {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def fleet(checkpoint_factory):
     model_dir = checkpoint_factory("llama", max_position_embeddings=4096)
     tcp = ("--kv-transfer-backend", "tcp")
-    procs = [start_worker("prefill", model_dir, *tcp)] + [start_worker("decode", model_dir, *tcp) for _ in range(3)]
+    procs = [start_worker("prefill", model_dir, *tcp)] + [start_worker("decode", model_dir, *tcp) for _ in range(4)]
     routers = []
     try:
         for p in procs:
@@ -35,33 +44,44 @@ def fleet(checkpoint_factory):
 
 
 class Streams:
-    """``NUM_STREAMS`` greedy streams in threads: their texts, errors and when each ended."""
+    """Streams in threads (``n`` choices each): their texts per choice, errors, request ids and when each ended."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, num_streams: int = NUM_STREAMS, n: int = 1) -> None:
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         self.name = self.client.models.list().data[0].id
-        self.texts = [""] * NUM_STREAMS
-        self.errors: list[BaseException | None] = [None] * NUM_STREAMS
-        self.ended_at = [0.0] * NUM_STREAMS
-        self.num_chunks = [0] * NUM_STREAMS
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(NUM_STREAMS)]
+        self.n = n
+        self.texts = [[""] * n for _ in range(num_streams)]
+        self.errors: list[BaseException | None] = [None] * num_streams
+        self.request_ids = [""] * num_streams
+        self.ended_at = [0.0] * num_streams
+        self.num_chunks = [0] * num_streams
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(num_streams)]
 
     def _run(self, i: int) -> None:
         try:
-            stream = self.client.completions.create(model=self.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS,
-                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            stream = self.client.completions.create(model=self.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, n=self.n,
+                                                    stream=True, extra_body={"ignore_eos": True}, **sampling(i, self.n))  # fmt: skip
+            self.request_ids[i] = stream.response.headers["x-request-id"]
             for chunk in stream:
                 self.num_chunks[i] += 1
-                if chunk.choices:
-                    self.texts[i] += chunk.choices[0].text
+                for choice in chunk.choices:
+                    self.texts[i][choice.index] += choice.text
         except BaseException as e:  # noqa: BLE001 (recorded for the test to assert on)
             self.errors[i] = e
         self.ended_at[i] = time.monotonic()
 
-    def start(self) -> Streams:
-        for t in self.threads:
+    def start(self, timeout: float = 60.0) -> Streams:
+        """Start the streams one after the other (each answered before the next), so they reach the router in order."""
+        deadline = time.monotonic() + timeout
+        for i, t in enumerate(self.threads):
             t.start()
+            while not self.request_ids[i] and self.errors[i] is None:
+                assert time.monotonic() < deadline, f"stream {i} got no answer"
+                time.sleep(0.005)
         return self
+
+    def seeded(self, indices: list[int]) -> list[int]:
+        return [i for i in indices if "seed" in sampling(i, self.n)]
 
     def wait_all_started(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -74,6 +94,11 @@ class Streams:
             t.join(timeout=180)
             assert not t.is_alive(), "a stream hung"
 
+    def moved(self, router) -> list[int]:
+        """The streams the router migrated (its log names their worker requests)."""
+        log = "".join(router.lines)
+        return [i for i, rid in enumerate(self.request_ids) if f"stream_migrated request_id={rid}-" in log]
+
 
 def kill_busiest(decodes) -> object:
     victim = max(decodes, key=lambda d: load_stats(d).num_running)
@@ -85,7 +110,7 @@ def kill_busiest(decodes) -> object:
 @pytest.mark.slow
 def test_streams_migrate_and_match_an_uninterrupted_run(fleet):
     model_dir, procs, routers = fleet
-    router, base = start_router(model_dir, procs[:1], procs[1:])
+    router, base = start_router(model_dir, procs[:1], procs[1:], "--routing-policy", "round_robin")
     routers.append(router)
     reference = Streams(base).start()
     reference.join()
@@ -96,10 +121,37 @@ def test_streams_migrate_and_match_an_uninterrupted_run(fleet):
     streams.join()
     assert streams.errors == [None] * NUM_STREAMS
     assert streams.texts == reference.texts
+    moved = streams.moved(router)
+    assert streams.seeded(moved) and len(streams.seeded(moved)) < len(moved), f"greedy and seeded moved: {moved}"
     num_moved = "".join(router.lines).count("stream_migrated")
     assert num_moved > 0
     assert scrape(base.rsplit(":", 1)[1], 'cleave_router_migrations_total{outcome="migrated"}') == num_moved
     survivors = [d for d in procs[1:] if d is not victim]
+    wait_all_free(procs[0], *survivors)
+    procs.remove(victim)
+
+
+@pytest.mark.slow
+def test_forked_streams_migrate_sample_by_sample_and_match_an_uninterrupted_run(fleet):
+    model_dir, procs, routers = fleet
+    decodes = procs[1:]
+    assert len(decodes) == 3, "runs after the first migration test, on the decode workers it left"
+    router, base = start_router(model_dir, procs[:1], decodes, "--routing-policy", "round_robin")
+    routers.append(router)
+    reference = Streams(base, NUM_FORKS, n=3).start()
+    reference.join()
+    assert reference.errors == [None] * NUM_FORKS
+    seeded = reference.seeded(list(range(NUM_FORKS)))
+    assert all(len(set(reference.texts[i])) == 3 for i in seeded), "a seeded fork's choices differ"
+    streams = Streams(base, NUM_FORKS, n=3).start()
+    streams.wait_all_started()
+    victim = kill_busiest(decodes)
+    streams.join()
+    assert streams.errors == [None] * NUM_FORKS
+    assert streams.texts == reference.texts
+    moved = streams.moved(router)
+    assert streams.seeded(moved) and len(streams.seeded(moved)) < len(moved), f"greedy and seeded moved: {moved}"
+    survivors = [d for d in decodes if d is not victim]
     wait_all_free(procs[0], *survivors)
     procs.remove(victim)
 
