@@ -38,6 +38,7 @@ from shared.tracing import Tracing
 logger = logging.getLogger("cleave.router.generation")
 
 Metadata = tuple[tuple[str, str], ...]
+CLEANUP_TIMEOUT_S = 5.0  # how long closing run_choices waits for the cancelled choices' cleanup
 
 
 @dataclass(frozen=True)
@@ -525,9 +526,6 @@ class ChoiceDecoder:
         return TokenInfo(self._as_text(token.token_id), token.logprob, top, len(self.text))
 
 
-_DONE = object()
-
-
 def fork_children(spec: ChoiceSpec) -> list[ChoiceSpec]:
     """The choices of a worker request: itself, or for a fork (``params.n`` > 1) one per sample."""
     if spec.params.n == 1:
@@ -540,45 +538,59 @@ def fork_children(spec: ChoiceSpec) -> list[ChoiceSpec]:
     ]  # fmt: skip
 
 
+class ChoiceTaskFailed(Exception):
+    """A choice's task ended without handing over its result or its error (a bug): the request fails."""
+
+
+async def _run_choice(
+    ctx: CallContext, spec: ChoiceSpec, make_decoder: Callable[[ChoiceSpec], ChoiceDecoder], queue: asyncio.Queue
+) -> None:
+    """The choices of one worker request (several for a fork): their deltas go to ``queue``."""
+    children = fork_children(spec)
+    decoders = {child.index: make_decoder(child) for child in children}
+    sample_ids = {child.index: child.request_id for child in children}
+    async with aclosing(worker_tokens(ctx, spec)) as stream:
+        async for response in stream:
+            decoder = decoders.get(spec.index + response.sample_index)
+            if decoder is None or decoder.finish_reason is not None:
+                continue  # a sample already cut at a stop string
+            delta = decoder.add(response)
+            ctx.timer.on_tokens(delta.index, delta.num_tokens)
+            queue.put_nowait(delta)
+            if delta.finish_reason and not response.finish_reason and len(children) > 1:
+                ctx.cut_samples.add(sample_ids[delta.index])  # a stop string: the worker can stop it now
+                ctx.ended_samples.add(sample_ids[delta.index])
+            if delta.finish_reason:
+                ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
+                if all(d.finish_reason is not None for d in decoders.values()):
+                    return
+
+
 async def run_choices(
     ctx: CallContext, specs: Sequence[ChoiceSpec], make_decoder: Callable[[ChoiceSpec], ChoiceDecoder]
 ) -> AsyncGenerator[ChoiceDelta, None]:
-    """Run every choice as its own task; yield deltas as they come. Closing this cancels the rest."""
+    """Run every choice as its own task; yield deltas as they come. Any choice's error ends them all:
+    it is raised here, and closing this cancels the other tasks, which aborts their worker calls."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def run_one(spec: ChoiceSpec) -> None:
-        children = fork_children(spec)
-        decoders = {child.index: make_decoder(child) for child in children}
-        sample_ids = {child.index: child.request_id for child in children}
-        stream = worker_tokens(ctx, spec)
         try:
-            async for response in stream:
-                decoder = decoders.get(spec.index + response.sample_index)
-                if decoder is None or decoder.finish_reason is not None:
-                    continue  # a sample already cut at a stop string
-                delta = decoder.add(response)
-                ctx.timer.on_tokens(delta.index, delta.num_tokens)
-                queue.put_nowait(delta)
-                if delta.finish_reason and not response.finish_reason and len(children) > 1:
-                    ctx.cut_samples.add(sample_ids[delta.index])  # a stop string: the worker can stop it now
-                    ctx.ended_samples.add(sample_ids[delta.index])
-                if delta.finish_reason:
-                    ctx.metrics.finished_sequences.labels(delta.finish_reason).inc()
-                    if all(d.finish_reason is not None for d in decoders.values()):
-                        break
-            queue.put_nowait(_DONE)
+            await _run_choice(ctx, spec, make_decoder, queue)
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait(e)
-        finally:
-            await stream.aclose()
 
-    tasks = [asyncio.create_task(run_one(spec)) for spec in specs]
+    tasks = [asyncio.create_task(run_one(spec), name=spec.request_id) for spec in specs]
+    for task in tasks:
+        task.add_done_callback(queue.put_nowait)  # however a task ends, the consumer hears of it
     try:
         remaining = len(tasks)
         while remaining:
             item = await queue.get()
-            if item is _DONE:
+            if isinstance(item, asyncio.Task):
                 remaining -= 1
+                if item.cancelled() or item.exception() is not None:
+                    failure = "was cancelled" if item.cancelled() else f"raised {item.exception()!r}"
+                    raise ChoiceTaskFailed(f"the task of worker request {item.get_name()} {failure}")
             elif isinstance(item, Exception):
                 raise item
             else:
@@ -586,3 +598,7 @@ async def run_choices(
     finally:
         for task in tasks:
             task.cancel()
+        pending = [task for task in tasks if not task.done()]
+        if pending:
+            # Their cleanup (cancel the streams, abort the worker requests) runs before the answer ends.
+            await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S)

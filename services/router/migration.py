@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from services.router.protocol import APIError, wrapped_seed
 from shared.genproto.cleave.v1 import worker_pb2
+
+CLEANUP_TIMEOUT_S = 5.0  # how long closing ``merge_samples`` waits for the closed streams' cleanup
 
 
 @dataclass
@@ -98,33 +101,38 @@ async def merge_samples(
 
     async def pump(index: int, stream: AsyncGenerator[worker_pb2.GenerateResponse, None]) -> None:
         try:
-            async for response in stream:
-                response.sample_index = index
-                queue.put_nowait(response)
-            queue.put_nowait(index)  # this sample is done
+            async with aclosing(stream):
+                async for response in stream:
+                    response.sample_index = index
+                    queue.put_nowait(response)
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait(e)
-        finally:
-            await stream.aclose()
 
     tasks = {index: asyncio.create_task(pump(index, stream)) for index, stream in streams.items()}
+    for task in tasks.values():
+        task.add_done_callback(queue.put_nowait)  # however a stream ends, the consumer hears of it
     open_samples = set(tasks)
     try:
         while True:
             for index in [i for i in open_samples if ended(i)]:
-                tasks[index].cancel()
                 open_samples.discard(index)
+                tasks[index].cancel()
             if not open_samples:
                 return
             item = await queue.get()
             if isinstance(item, Exception):
                 raise item
-            if isinstance(item, int):
-                open_samples.discard(item)
+            if isinstance(item, asyncio.Task):
+                index = next(i for i, task in tasks.items() if task is item)
+                if index in open_samples and (item.cancelled() or item.exception() is not None):
+                    raise RuntimeError(f"the stream of sample {index} ended without a result: {item!r}")
+                open_samples.discard(index)
             elif item.sample_index in open_samples:
                 yield item
     finally:
         for task in tasks.values():
             task.cancel()
-        # The streams' cleanup (cancel the calls, abort the worker requests) runs before this returns.
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        pending = [task for task in tasks.values() if not task.done()]
+        if pending:
+            # The streams' cleanup (cancel the calls, abort the worker requests) runs before this returns.
+            await asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S)
