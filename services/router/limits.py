@@ -3,7 +3,8 @@
 - ``--api-key``: every ``/v1/*`` request needs ``Authorization: Bearer <key>``,
   compared in constant time; ``/health`` and ``/metrics`` stay open.
 - ``--max-queued-requests``: when every healthy worker of a pool already has
-  that many of this router's requests in flight, a new request gets 429 with
+  that many requests queued (``WorkerClient.num_queued``: its reported queue plus
+  this router's calls sent since that report), a new request gets 429 with
   ``Retry-After`` instead of queueing without bound.
 - ``--request-timeout``: a request (a whole stream included) that runs longer
   gets 504, or an error event in its stream, and its worker calls are cancelled.
@@ -37,13 +38,13 @@ def api_key_error(authorization: str | None, api_key: str) -> APIError | None:
 
 
 def overload_error(pools: WorkerPools, max_queued: int, metrics: RouterMetrics | None = None) -> APIError | None:
-    """429 when every healthy worker of a pool in use has ``max_queued`` of this router's calls open
+    """429 when every healthy worker of a pool in use has ``max_queued`` requests queued
     (counted in ``metrics`` by the pool's role)."""
     if max_queued <= 0:
         return None
     for pool in (pools.decode, pools.prefill):
         healthy = pool.healthy_workers()
-        if healthy and all(w.num_in_flight >= max_queued for w in healthy):
+        if healthy and all(w.num_queued >= max_queued for w in healthy):
             if metrics is not None:
                 metrics.rejected.labels(pool.role).inc()
             return APIError(

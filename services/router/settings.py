@@ -132,8 +132,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--api-key", "require 'Authorization: Bearer <key>' on /v1/* (/health and /metrics stay open)")
     add(
         "--max-queued-requests",
-        "answer 429 with Retry-After when every worker of a pool has this many of the router's requests "
-        "in flight (0: no limit)",
+        "answer 429 with Retry-After when every worker of a pool has this many requests queued: the queue "
+        "it reported at the last load poll plus this router's calls sent since (0: no limit)",
         type=int,
         default=0,
     )

@@ -6,6 +6,9 @@ remember to update a gauge.
 
 - ``cleave_router_pool_workers{role,source}``: workers in each pool, from the
   static flags (``source="static"``) or the Redis registry (``"registry"``).
+- ``cleave_router_worker_queued{role,address}``: each healthy worker's queue as
+  the router counts it for ``--max-queued-requests`` (its last reported queue
+  plus the router's calls sent since).
 - ``cleave_router_redis_up{component}`` and ``cleave_router_redis_reconnects_total``:
   whether the last Redis call of the registry watcher (``component="registry"``)
   and of the KV event reader (``"kv_events"``) succeeded, and how many outages
@@ -34,6 +37,7 @@ class RouterStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield self._pool_workers()
+        yield self._queued()
         yield from self._redis()
         yield from self._kv_index()
 
@@ -49,6 +53,19 @@ class RouterStateCollector(Collector):
             discovered = sum(1 for w in workers if w.discovered)
             family.add_metric([role, "static"], len(workers) - discovered)
             family.add_metric([role, "registry"], discovered)
+        return family
+
+    def _queued(self) -> Metric:
+        family = GaugeMetricFamily(
+            "cleave_router_worker_queued",
+            "Requests queued on each healthy worker as the router counts them for --max-queued-requests: "
+            "the queue it reported at the last load poll plus the router's calls sent since.",
+            labels=["role", "address"],
+        )
+        pools = self.state.pools
+        for role in ROLES:
+            for worker in getattr(pools, role).healthy_workers() if pools is not None else []:
+                family.add_metric([role, worker.address], worker.num_queued)
         return family
 
     def _redis(self) -> Iterator[Metric]:

@@ -62,6 +62,10 @@ class WorkerClient:
         self.max_model_len = 0
         self.worker_id = ""
         self.num_in_flight = 0  # calls this router has open on the worker
+        # Start times of those calls, and when the last successful load poll was asked (see num_queued).
+        self._open_calls: dict[int, float] = {}
+        self._next_call = 0
+        self.load_asked_at = 0.0
         self.in_flight_blocks = 0  # KV blocks those calls make the worker compute or hold (kv_aware)
         self.num_late_polls = 0
         self.entry: Any = None  # the registry's WorkerEntry for workers found through Redis
@@ -69,6 +73,7 @@ class WorkerClient:
 
     async def poll(self) -> bool:
         """Refresh health and load; returns the new health."""
+        asked_at = time.monotonic()
         try:
             health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S)
             load = await self.stub.LoadStats(worker_pb2.LoadStatsRequest(), timeout=HEALTH_TIMEOUT_S)
@@ -95,6 +100,7 @@ class WorkerClient:
             logger.info("worker_healthy role=%s address=%s worker_id=%s", self.role, self.address, health.worker_id)
         self.healthy = ok
         self.load = load
+        self.load_asked_at = asked_at
         self.max_model_len = health.max_model_len
         self.worker_id = health.worker_id
         return ok
@@ -109,14 +115,25 @@ class WorkerClient:
         usage = self.load.kv_cache_usage if self.load else 0.0
         return (self.num_in_flight + waiting, usage)
 
+    @property
+    def num_queued(self) -> int:
+        """The worker's queue as this router can tell: the requests waiting there at the last load poll,
+        plus this router's calls sent since that poll and still open, which the poll could not see
+        (several routers in front of one pool, or a burst between polls, are both counted)."""
+        waiting = self.load.num_waiting if self.load else 0
+        return waiting + sum(1 for started in self._open_calls.values() if started >= self.load_asked_at)
+
     @contextmanager
     def track(self, num_blocks: int = 0) -> Iterator[None]:
         """Count a call (and the KV blocks it costs) as in flight on this worker for load balancing."""
+        call, self._next_call = self._next_call, self._next_call + 1
+        self._open_calls[call] = time.monotonic()
         self.num_in_flight += 1
         self.in_flight_blocks += num_blocks
         try:
             yield
         finally:
+            del self._open_calls[call]
             self.num_in_flight -= 1
             self.in_flight_blocks -= num_blocks
 

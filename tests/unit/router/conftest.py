@@ -56,6 +56,7 @@ class WorkerScript:
     released: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
+    num_streaming: int = 0  # Generate calls open now: the scripted decode worker reports them as queued
 
     def token_at(self, seed: int, i: int) -> int:
         if self.eos_at is not None and i == self.eos_at:
@@ -107,7 +108,8 @@ class _Health:
         return worker_pb2.HealthResponse(status="ok", role=self.role, model=MODEL_NAME, worker_id=f"fake-{self.role}")
 
     def LoadStats(self, request, context):
-        return worker_pb2.LoadStatsResponse(num_free_blocks=100, num_total_blocks=100)
+        queued = self.script.num_streaming if self.role == "decode" else 0
+        return worker_pb2.LoadStatsResponse(num_free_blocks=100, num_total_blocks=100, num_waiting=queued)
 
     def Abort(self, request, context):
         if request.sample_only:
@@ -178,6 +180,8 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
         # The RPC ends either after the last message or by the client's cancellation.
         done = []
         context.add_callback(lambda: None if done else script.cancelled.append(request.request_id))
+        _count_stream(script, 1)
+        context.add_callback(lambda: _count_stream(script, -1))
         # n > 1 (a fork): sample i follows the script with seed + i (when seeded), one sample after the other.
         for sample in range(max(1, request.sampling.n)):
             sampling = worker_pb2.SamplingParams()
@@ -201,6 +205,14 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
                     if script.delay_s:
                         time.sleep(script.delay_s)
         done.append(True)
+
+
+_COUNT_LOCK = threading.Lock()
+
+
+def _count_stream(script: WorkerScript, change: int) -> None:
+    with _COUNT_LOCK:
+        script.num_streaming += change
 
 
 class _ScriptHolder:

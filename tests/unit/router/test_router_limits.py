@@ -47,7 +47,12 @@ def test_429_with_retry_after_when_every_worker_is_full(router_factory, script):
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     first.join(timeout=30)
     assert results == [200]
-    assert post(router, {"prompt": "Hi", "max_tokens": 2}).status_code == 200  # room again
+    # Room again once a load poll (every 0.5 s here) shows the worker's queue empty.
+    deadline = time.monotonic() + 10
+    while (status := post(router, {"prompt": "Hi", "max_tokens": 2}).status_code) == 429:
+        assert time.monotonic() < deadline, "still refused after the worker's queue emptied"
+        time.sleep(0.1)
+    assert status == 200
 
 
 @pytest.mark.parametrize("stream", [False, True])
