@@ -48,6 +48,7 @@ class WorkerScript:
     delay_s: float = 0.0
     fail_prefill: grpc.StatusCode | None = None
     fail_generate: grpc.StatusCode | None = None
+    break_after: int | None = None  # the next Generate stream breaks (UNAVAILABLE) after this many messages
     # Recorded calls
     prefill_requests: list = field(default_factory=list)
     generate_requests: list = field(default_factory=list)
@@ -182,6 +183,7 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
         context.add_callback(lambda: None if done else script.cancelled.append(request.request_id))
         _count_stream(script, 1)
         context.add_callback(lambda: _count_stream(script, -1))
+        num_sent = 0
         # n > 1 (a fork): sample i follows the script with seed + i (when seeded), one sample after the other.
         for sample in range(max(1, request.sampling.n)):
             sampling = worker_pb2.SamplingParams()
@@ -191,6 +193,7 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
             # After a prefill the first token is the client's already, except in a fork: the decode
             # worker draws every sample's first token itself.
             position = 1 if request.HasField("first_token") and request.sampling.n <= 1 else 0
+            position += len(request.generated_token_ids)  # a migrated request goes on after them
             batch, finish = [], ""
             while not finish and context.is_active():
                 token, finish = script.output(sampling, position)
@@ -202,6 +205,10 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
                         prompt_logprobs=scores, sample_index=sample,
                     )  # fmt: skip
                     batch, scores = [], []
+                    num_sent += 1
+                    if script.break_after is not None and num_sent >= script.break_after:
+                        script.break_after = None  # once: the worker the stream moves to serves it
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "injected stream break")
                     if script.delay_s:
                         time.sleep(script.delay_s)
         done.append(True)
