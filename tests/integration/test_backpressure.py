@@ -14,7 +14,7 @@ import pytest
 from tests.integration.cluster import scrape, start_router, start_worker, wait_worker
 from tests.integration.test_cluster import load_stats, wait_all_free
 
-LONG = {"prompt": "the weather on a long day", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+LONG = {"prompt": "the weather on a long day", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
 SHORT = {"prompt": "hello", "max_tokens": 2}
 
 
@@ -78,12 +78,12 @@ def test_a_router_refuses_what_another_router_queued_on_the_worker(decode):
                                      "0.2")  # fmt: skip
     try:
         assert post(guard_base, SHORT).status_code == 200  # an idle worker: accepted
-        filling = Background(filler_base, LONG, 3)
+        filling = Background(filler_base, LONG, 5)
         wait_until(lambda: load_stats(worker).num_waiting >= 1, "the worker queues requests")
         wait_until(lambda: queued(guard_base) >= 1, "the guarded router's poll sees the worker's queue")
         assert_429(post(guard_base, SHORT))
         assert scrape(guard_base.rsplit(":", 1)[1], 'cleave_router_rejected_requests_total{role="decode"}') >= 1
-        assert filling.join() == [200] * 3
+        assert filling.join() == [200] * 5
         wait_until(lambda: queued(guard_base) == 0, "the queue drains")
         assert post(guard_base, SHORT).status_code == 200
         wait_all_free(worker)
