@@ -151,6 +151,8 @@ def test_forked_streams_migrate_sample_by_sample_and_match_an_uninterrupted_run(
     assert streams.texts == reference.texts
     moved = streams.moved(router)
     assert streams.seeded(moved) and len(streams.seeded(moved)) < len(moved), f"greedy and seeded moved: {moved}"
+    num_moved = "".join(router.lines).count("stream_migrated")  # a fork moves once, all its samples at a time
+    assert scrape(base.rsplit(":", 1)[1], 'cleave_router_migrations_total{outcome="migrated"}') == num_moved
     survivors = [d for d in decodes if d is not victim]
     wait_all_free(procs[0], *survivors)
     procs.remove(victim)
