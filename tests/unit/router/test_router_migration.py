@@ -15,12 +15,16 @@ MODEL = "tiny-test"
 MAX_TOKENS = 6
 
 
-@pytest.fixture
-def two_decodes(router_factory, worker_addrs, start_decode_worker, script):
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return router_factory(prefill=False, decode=[worker_addrs["decode"], start_decode_worker(port)])
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(params=["aggregated", "disaggregated"])
+def two_decodes(request, router_factory, worker_addrs, start_decode_worker, script):
+    decodes = [worker_addrs["decode"], start_decode_worker(free_port())]
+    return router_factory(prefill=request.param == "disaggregated", decode=decodes)
 
 
 def complete(router, body: dict, stream: bool) -> tuple[int, dict[int, str], str]:
@@ -81,3 +85,13 @@ def test_migrated_samples_cut_at_a_stop_string_are_ended_on_their_worker(two_dec
     assert sorted(singles) == [f"{request_id}-0", f"{request_id}-0/1"]
     ended = lambda: all(s in script.aborted or s in script.cancelled for s in singles)  # noqa: E731
     assert eventually(ended)
+
+
+def test_without_migration_a_broken_fork_ends_with_the_error(router_factory, worker_addrs, start_decode_worker,
+                                                              script):  # fmt: skip
+    decodes = [worker_addrs["decode"], start_decode_worker(free_port())]
+    router = router_factory(prefill=False, decode=decodes, migration_limit=0)
+    script.break_after = 2
+    status, _, _ = complete(router, {"n": 3, "seed": 1, "temperature": 1.0}, stream=False)
+    assert status == 503
+    assert len(script.generate_requests) == 1
