@@ -189,6 +189,14 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
     }
 }
 
+/* One decode row's GQA group (exported for the prefill kernel's single-token rows); scores: [group, seq_len]. */
+void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+                      int head_dim, int block_size, float scale, float *scores) {
+    one_head(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim,
+             block_size, scale, scores);
+}
+
 /* Returns 0 on success, 1 if the shapes are outside what this kernel handles. */
 int paged_decode_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
                      int64_t row_stride, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,

@@ -31,6 +31,11 @@
 #define ROW_GROUP 4  /* query rows scored together: independent accumulators */
 #define KEY_CHUNK 16 /* keys scored together: one vector of floats */
 
+/* paged_decode.c: one decode row's GQA group; scores is [group, seq_len] scratch. */
+void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+                      int head_dim, int block_size, float scale, float *scores);
+
 typedef struct {
     int seq, kv_head, q_begin, q_end; /* q rows [q_begin, q_end) of the sequence's new tokens */
 } Item;
@@ -262,6 +267,8 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
     Args a = {q, out, k_cache, v_cache, block_stride, row_stride, block_tables, bt_stride, query_start_loc,
               seq_lens, num_heads, num_kv_heads, head_dim, block_size, scale};
     int64_t num_items = 0;
+    int max_seq_len = 1;
+    for (int s = 0; s < num_seqs; s++) max_seq_len = seq_lens[s] > max_seq_len ? seq_lens[s] : max_seq_len;
     for (int s = 0; s < num_seqs; s++) {
         int q_len = query_start_loc[s + 1] - query_start_loc[s];
         num_items += (int64_t)num_kv_heads * ((q_len + TILE_Q - 1) / TILE_Q);
@@ -286,10 +293,24 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
         static __thread Scratch *w = NULL;
         if (w == NULL) w = malloc(sizeof(Scratch));
         if (w == NULL) failed = 1;
+        /* Single-token rows (decode rows of a mixed step) take the decode path: no K transpose for one row. */
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads / num_kv_heads) * (size_t)max_seq_len);
+        if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
-            if (w != NULL) run_item(&a, &items[i], w);
+            const Item *it = &items[i];
+            const int q_len = query_start_loc[it->seq + 1] - query_start_loc[it->seq];
+            if (q_len == 1 && scores != NULL) {
+                const int group = num_heads / num_kv_heads;
+                const int64_t offset = ((int64_t)query_start_loc[it->seq] * num_heads + (int64_t)it->kv_head * group) * head_dim;
+                decode_group_f32(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride,
+                                 block_tables + (int64_t)it->seq * bt_stride, seq_lens[it->seq], it->kv_head, group,
+                                 head_dim, block_size, scale, scores);
+            } else if (w != NULL && q_len > 1) {
+                run_item(&a, it, w);
+            }
         }
+        free(scores);
     }
     free(items);
     return failed ? 2 : 0;
