@@ -18,6 +18,8 @@ import torch
 from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
+from shared.engine.cpu_threads import ThreadGovernor
+from shared.engine.cpu_threads import enabled as thread_governor_enabled
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnectorScheduler
 from shared.engine.kv_leases import LEASE, KVLeases, ownership_problems
@@ -136,6 +138,12 @@ class EngineCore:
             self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
+        # CPU: each step gets the cores no other process wants (see shared.engine.cpu_threads).
+        self.thread_governor = (
+            ThreadGovernor(torch.get_num_threads())
+            if self.device.type == "cpu" and torch.get_num_threads() > 1 and thread_governor_enabled()
+            else None
+        )
         # Called on the engine thread with each step's number of batched tokens (metrics); None: off.
         self.on_step: Callable[[int], None] | None = None
         self._grammar: Any = None  # GrammarBackend, made on the first constrained request
@@ -289,6 +297,8 @@ class EngineCore:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutputDelta]:
+        if self.thread_governor is not None:
+            self.thread_governor.before_step()
         sched = self.scheduler.schedule()
         samples = self.runner.execute(sched)
         embeddings = self.runner.take_embeddings()

@@ -5,7 +5,9 @@
 applies causality per key block and shares K/V rows across a GQA group, so it
 needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
 one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
-one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch). The shared library is built once per
+one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
+``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
+``silu_mul`` the MLP's activation on the fused gate|up output. The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
 source and compiler flags. ``CLEAVE_CPU_KERNEL_LIB`` names a library built
 ahead of time instead (the container image builds one, so it needs no compiler).
@@ -128,6 +130,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr]
     lib.rope_f32.restype = None
+    lib.add_rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i32, f32]
+    lib.add_rms_norm_f32.restype = None
+    lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32]
+    lib.silu_mul_f32.restype = None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -239,6 +245,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     lib.rms_norm_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0],
                      x.shape[1], eps)  # fmt: skip
+    return out
+
+
+def fuses_residual(hidden: torch.Tensor) -> bool:
+    """Whether the model can run its residual adds fused into its norms (``add_rms_norm_``) on ``hidden``."""
+    return _f32_rows(hidden) and load() is not None
+
+
+def add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:  # [rows, size]
+    """``residual += x`` in place, then ``rms_norm(residual)``; None (nothing changed) where it does not apply."""
+    if not (_f32_rows(x, residual) and x.shape == residual.shape and weight.dtype == torch.float32
+            and weight.is_contiguous() and load() is not None):  # fmt: skip
+        return None
+    lib = load()
+    assert lib is not None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.add_rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                         out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps)  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor | None:  # [rows, size]
+    """``silu(gate_up[:, :size]) * gate_up[:, size:2 * size]`` in one pass; None where it does not apply."""
+    if not (_f32_rows(gate_up) and gate_up.shape[1] >= 2 * size and load() is not None):
+        return None
+    lib = load()
+    assert lib is not None
+    out = torch.empty(gate_up.shape[0], size, dtype=gate_up.dtype)
+    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
     return out
 
 

@@ -154,7 +154,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, intermediate]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if (fused := cpu_kernels.silu_mul(gate_up, self.intermediate_size)) is not None:
+            return self.down_proj(fused)  # float32 on the CPU: one pass
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [T, intermediate]
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -174,6 +177,31 @@ class DecoderLayer(nn.Module):
         residual = hidden
         hidden = self.mlp(self.post_attention_layernorm(hidden))
         return residual + hidden
+
+    def forward_fused(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache, meta, attn_backend
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """float32 on the CPU: ``forward`` with each residual add fused into the norm after it.
+
+        ``hidden`` is the previous layer's MLP output still to be added to ``residual``
+        (None before the first layer: ``hidden`` is then the embedding). Returns this
+        layer's (MLP output, residual), or None where the fused kernels do not apply.
+        """
+        if residual is None:  # the embedding, a fresh tensor: it becomes the residual stream, updated in place
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            fused = cpu_kernels.add_rms_norm_(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            if fused is None:
+                return None
+            normed = fused
+        attn_out = self.self_attn(normed, cos, sin, kv_cache, meta, attn_backend)
+        normed = cpu_kernels.add_rms_norm_(
+            attn_out, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+        )
+        if normed is None:
+            return None
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -213,6 +241,16 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim]
+        if cpu_kernels.fuses_residual(hidden):
+            residual: torch.Tensor | None = None
+            for layer_idx, layer in enumerate(self.decoder_layers()):
+                fused = layer.forward_fused(hidden, residual, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
+                assert fused is not None  # fuses_residual checked what the kernels need
+                hidden, residual = fused
+            assert residual is not None
+            normed = cpu_kernels.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
+            assert normed is not None
+            return normed
         for layer_idx, layer in enumerate(self.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
         return self.norm(hidden)

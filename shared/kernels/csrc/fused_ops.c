@@ -1,7 +1,9 @@
 /*
  * Element-wise model ops fused into one pass each (float32, rows may be strided).
  *
- *   rms_norm_f32  out[i] = w * (x[i] * 1/sqrt(mean(x[i]^2) + eps)), one row per token
+ *   rms_norm_f32      out[i] = w * (x[i] * 1/sqrt(mean(x[i]^2) + eps)), one row per token
+ *   add_rms_norm_f32  residual[i] += x[i], then out[i] = rms_norm(residual[i]): the residual add of
+ *                     one sublayer and the norm of the next in one pass
  *   rope_f32      in place on the q and k heads of each token: x * cos + rotate_half(x) * sin
  *
  * Compiled without fast-math or FMA contraction: RoPE keeps the torch op order
@@ -18,21 +20,33 @@
  * step's rows are a few microseconds of work, less than a barrier costs on a busy machine. */
 #define PARALLEL_MIN_ELEMS (1 << 17)
 
+static void norm_row(const float *row, const float *weight, float *dst, int size, float eps) {
+    float partial[LANES] = {0}; /* independent lanes: vectorizes without reassociating */
+    int i = 0;
+    for (; i + LANES <= size; i += LANES)
+        for (int j = 0; j < LANES; j++) partial[j] += row[i + j] * row[i + j];
+    float sum = 0.f;
+    for (int j = 0; j < LANES; j++) sum += partial[j];
+    for (; i < size; i++) sum += row[i] * row[i];
+    const float inv = 1.f / sqrtf(sum / (float)size + eps);
+    for (int i = 0; i < size; i++) dst[i] = weight[i] * (row[i] * inv);
+}
+
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t out_stride,
                   int num_rows, int size, float eps) {
 #pragma omp parallel for schedule(static) if ((int64_t)num_rows * size >= PARALLEL_MIN_ELEMS)
+    for (int r = 0; r < num_rows; r++)
+        norm_row(x + (int64_t)r * x_stride, weight, out + (int64_t)r * out_stride, size, eps);
+}
+
+void add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
+                      const float *weight, float *out, int64_t out_stride, int num_rows, int size, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)num_rows * size >= PARALLEL_MIN_ELEMS)
     for (int r = 0; r < num_rows; r++) {
-        const float *row = x + (int64_t)r * x_stride;
-        float partial[LANES] = {0}; /* independent lanes: vectorizes without reassociating */
-        int i = 0;
-        for (; i + LANES <= size; i += LANES)
-            for (int j = 0; j < LANES; j++) partial[j] += row[i + j] * row[i + j];
-        float sum = 0.f;
-        for (int j = 0; j < LANES; j++) sum += partial[j];
-        for (; i < size; i++) sum += row[i] * row[i];
-        const float inv = 1.f / sqrtf(sum / (float)size + eps);
-        float *dst = out + (int64_t)r * out_stride;
-        for (int i = 0; i < size; i++) dst[i] = weight[i] * (row[i] * inv);
+        const float *src = x + (int64_t)r * x_stride;
+        float *row = residual + (int64_t)r * residual_stride;
+        for (int i = 0; i < size; i++) row[i] = row[i] + src[i];
+        norm_row(row, weight, out + (int64_t)r * out_stride, size, eps);
     }
 }
 

@@ -25,36 +25,149 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-static void one_head(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
-                     int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
-                     int head_dim, int block_size, float scale, float *scores) {
-    /* scores: [group, seq_len] scratch. Pass 1: q.k and the row maxima, block by block. */
-    float maxima[MAX_GROUP];
-    for (int g = 0; g < group; g++) maxima[g] = -FLT_MAX;
-    int num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int b = 0; b < num_blocks; b++) {
-        const float *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
-        int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
-        for (int i = 0; i < n; i++) {
-            const float *k = base + (int64_t)i * row_stride;
-            int t = b * block_size + i;
-            for (int g = 0; g < group; g++) {
-                float s = dot(q + (int64_t)g * head_dim, k, head_dim) * scale;
-                scores[(int64_t)g * seq_len + t] = s;
-                maxima[g] = s > maxima[g] ? s : maxima[g];
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* Row sums of 16 partial-sum vectors: lane t of the result is the sum of p[t]'s lanes. */
+static inline __m512 sum16(__m512 p[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x, y, x, y], partial over pairs */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per lane: [k0, k1, k2, k3] of four keys, partial over lanes */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* scores[g][t0 .. t0 + n) = scale * q_g . k_t for n <= 16 keys whose rows start at k (row_stride apart). */
+static inline void score_keys(const float *q, const float *k, int64_t row_stride, int n, int group, int head_dim,
+                              float scale, float *scores, int64_t seq_len, int t0) {
+    const int nd = head_dim / 16;
+    for (int g = 0; g < group; g++) {
+        const float *qg = q + (int64_t)g * head_dim;
+        __m512 p[16];
+        for (int t = 0; t < 16; t++) {
+            if (t >= n) {
+                p[t] = _mm512_setzero_ps();
+                continue;
+            }
+            const float *kt = k + (int64_t)t * row_stride;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt));
+            for (int c = 1; c < nd; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kt + 16 * c), acc);
+            p[t] = acc;
+        }
+        const __m512 s = _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + (int64_t)g * seq_len + t0, (__mmask16)((1u << n) - 1u), s);
+    }
+}
+
+/* out[g] = sum_t w[g][t] v_t / sums[g] for head_dim % 64 == 0: up to four heads x 64 dims in registers. */
+static void weigh_values(const float *scores, const float *v_cache, int64_t block_stride, int64_t row_stride,
+                         const int32_t *block_table, int seq_len, int kv_head, int group, int head_dim,
+                         int block_size, const float *sums, float *out) {
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int g0 = 0; g0 < group; g0 += 4) {
+        const int ng = group - g0 < 4 ? group - g0 : 4;
+        for (int d0 = 0; d0 < head_dim; d0 += 64) {
+            __m512 acc[4][4];
+            for (int g = 0; g < 4; g++)
+                for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+            for (int b = 0; b < num_blocks; b++) {
+                const float *base =
+                    v_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim + d0;
+                const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+                if (b + 1 < num_blocks)
+                    for (int i = 0; i < block_size; i++)
+                        for (int d = 0; d < 64; d += 16)
+                            _mm_prefetch((const char *)(v_cache + (int64_t)block_table[b + 1] * block_stride +
+                                                        (int64_t)kv_head * head_dim + d0 + (int64_t)i * row_stride + d),
+                                         _MM_HINT_T0);
+                const float *w = scores + (int64_t)g0 * seq_len + b * block_size;
+                for (int i = 0; i < n; i++) {
+                    const float *v = base + (int64_t)i * row_stride;
+                    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+                    const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+#define CLEAVE_PV(g)                                                           \
+    if (g < ng) {                                                              \
+        const __m512 wg = _mm512_set1_ps(w[(int64_t)(g) * seq_len + i]);       \
+        acc[g][0] = _mm512_fmadd_ps(wg, v0, acc[g][0]);                        \
+        acc[g][1] = _mm512_fmadd_ps(wg, v1, acc[g][1]);                        \
+        acc[g][2] = _mm512_fmadd_ps(wg, v2, acc[g][2]);                        \
+        acc[g][3] = _mm512_fmadd_ps(wg, v3, acc[g][3]);                        \
+    }
+                    CLEAVE_PV(0) CLEAVE_PV(1) CLEAVE_PV(2) CLEAVE_PV(3)
+#undef CLEAVE_PV
+                }
+            }
+            for (int g = 0; g < ng; g++) {
+                const __m512 inv = _mm512_set1_ps(1.f / sums[g0 + g]);
+                float *dst = out + (int64_t)(g0 + g) * head_dim + d0;
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[g][c], inv));
             }
         }
     }
-    /* Pass 2: softmax weights. */
+}
+#endif
+
+/* Pass 1: scores[g][t] = scale * q_g . k_t over the whole context. */
+static void score_context(const float *q, const float *k_cache, int64_t block_stride, int64_t row_stride,
+                          const int32_t *block_table, int seq_len, int kv_head, int group, int head_dim,
+                          int block_size, float scale, float *scores) {
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int b = 0; b < num_blocks; b++) {
+        const float *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
+        const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+#if defined(__AVX512F__)
+        if (head_dim % 16 == 0) {
+            if (b + 1 < num_blocks) /* the next block sits elsewhere: start loading it */
+                for (int i = 0; i < block_size; i++)
+                    for (int d = 0; d < head_dim; d += 16)
+                        _mm_prefetch((const char *)(k_cache + (int64_t)block_table[b + 1] * block_stride +
+                                                    (int64_t)kv_head * head_dim + (int64_t)i * row_stride + d),
+                                     _MM_HINT_T0);
+            for (int i = 0; i < n; i += 16)
+                score_keys(q, base + (int64_t)i * row_stride, row_stride, n - i < 16 ? n - i : 16, group, head_dim,
+                           scale, scores, seq_len, b * block_size + i);
+            continue;
+        }
+#endif
+        for (int i = 0; i < n; i++) {
+            const float *k = base + (int64_t)i * row_stride;
+            for (int g = 0; g < group; g++)
+                scores[(int64_t)g * seq_len + b * block_size + i] = dot(q + (int64_t)g * head_dim, k, head_dim) * scale;
+        }
+    }
+}
+
+static void one_head(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                     int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+                     int head_dim, int block_size, float scale, float *scores) {
+    /* scores: [group, seq_len] scratch. */
+    score_context(q, k_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim, block_size,
+                  scale, scores);
+    /* Pass 2: softmax weights (unnormalised; divided at the end). */
     float sums[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         float *row = scores + (int64_t)g * seq_len;
-        float m = maxima[g], sum = 0.f;
+        float m = -FLT_MAX, sum = 0.f;
+        for (int t = 0; t < seq_len; t++) m = row[t] > m ? row[t] : m;
         for (int t = 0; t < seq_len; t++) row[t] = expf(row[t] - m);
         for (int t = 0; t < seq_len; t++) sum += row[t];
         sums[g] = sum;
     }
     /* Pass 3: weighted sum of V rows. */
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+#if defined(__AVX512F__)
+    if (head_dim % 64 == 0) {
+        weigh_values(scores, v_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim,
+                     block_size, sums, out);
+        return;
+    }
+#endif
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     memset(acc, 0, sizeof(float) * (size_t)group * (size_t)head_dim);
     for (int b = 0; b < num_blocks; b++) {
@@ -74,6 +187,14 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
         float inv = 1.f / sums[g];
         for (int d = 0; d < head_dim; d++) out[(int64_t)g * head_dim + d] = acc[g * head_dim + d] * inv;
     }
+}
+
+/* One decode row's GQA group (exported for the prefill kernel's single-token rows); scores: [group, seq_len]. */
+void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+                      int head_dim, int block_size, float scale, float *scores) {
+    one_head(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim,
+             block_size, scale, scores);
 }
 
 /* Returns 0 on success, 1 if the shapes are outside what this kernel handles. */

@@ -31,6 +31,11 @@
 #define ROW_GROUP 4  /* query rows scored together: independent accumulators */
 #define KEY_CHUNK 16 /* keys scored together: one vector of floats */
 
+/* paged_decode.c: one decode row's GQA group; scores is [group, seq_len] scratch. */
+void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+                      int head_dim, int block_size, float scale, float *scores);
+
 typedef struct {
     int seq, kv_head, q_begin, q_end; /* q rows [q_begin, q_end) of the sequence's new tokens */
 } Item;
@@ -125,6 +130,86 @@ static void block_update(const Args *a, Scratch *w, const float *v_base, int row
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* block_update for head_dim % 64 == 0: the scores of ROW_GROUP rows x 16 keys and the rows'
+ * accumulators (64 dims at a time) stay in registers. */
+static void block_update_avx512(const Args *a, Scratch *w, const float *v_base, int rows, int group, int first_pos,
+                                int block_start, int n, int bsp) {
+    const int hd = a->head_dim;
+    float S[ROW_GROUP][MAX_BLOCK];
+    for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
+        const int last_row = r0 + ROW_GROUP - 1 < rows ? r0 + ROW_GROUP - 1 : rows - 1;
+        if (first_pos + last_row / group + 1 - block_start <= 0) continue; /* the whole group is masked */
+        const float *q0 = w->qs + (int64_t)r0 * hd;
+        for (int c = 0; c < bsp; c += KEY_CHUNK) {
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int d = 0; d < hd; d++) {
+                const __m512 kd = _mm512_loadu_ps(w->kt + (int64_t)d * bsp + c);
+                s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kd, s0);
+                s1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[hd + d]), kd, s1);
+                s2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * hd + d]), kd, s2);
+                s3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * hd + d]), kd, s3);
+            }
+            _mm512_storeu_ps(S[0] + c, s0);
+            _mm512_storeu_ps(S[1] + c, s1);
+            _mm512_storeu_ps(S[2] + c, s2);
+            _mm512_storeu_ps(S[3] + c, s3);
+        }
+        int max_valid = 0;
+        float correction[ROW_GROUP];
+        for (int i = 0; i < ROW_GROUP; i++) {
+            const int r = r0 + i;
+            int valid = r < rows ? first_pos + r / group + 1 - block_start : 0;
+            valid = valid < 0 ? 0 : valid > n ? n : valid;
+            max_valid = valid > max_valid ? valid : max_valid;
+            float *p = S[i];
+            correction[i] = 1.f;
+            if (valid == 0) { /* masked (or padding) row: weights zero, state unchanged */
+                for (int t = 0; t < n; t++) p[t] = 0.f;
+                continue;
+            }
+            float m_new = w->m[r];
+            for (int t = 0; t < valid; t++) m_new = p[t] > m_new ? p[t] : m_new;
+            float sum = 0.f;
+            correction[i] = expf(w->m[r] - m_new);
+            for (int t = 0; t < valid; t++) {
+                p[t] = expf(p[t] - m_new);
+                sum += p[t];
+            }
+            for (int t = valid; t < n; t++) p[t] = 0.f;
+            w->l[r] = w->l[r] * correction[i] + sum;
+            w->m[r] = m_new;
+        }
+        for (int d0 = 0; d0 < hd; d0 += 64) {
+            __m512 acc[ROW_GROUP][4];
+            for (int i = 0; i < ROW_GROUP; i++) {
+                const float *src = w->acc + (int64_t)(r0 + i) * hd + d0;
+                const __m512 corr = _mm512_set1_ps(correction[i]);
+                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * c), corr);
+            }
+            for (int t = 0; t < max_valid; t++) {
+                const float *v = v_base + (int64_t)t * a->row_stride + d0;
+                const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+                const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+                for (int i = 0; i < ROW_GROUP; i++) {
+                    const __m512 p = _mm512_set1_ps(S[i][t]);
+                    acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
+                    acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);
+                    acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);
+                    acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);
+                }
+            }
+            for (int i = 0; i < ROW_GROUP; i++) {
+                float *dst = w->acc + (int64_t)(r0 + i) * hd + d0;
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + 16 * c, acc[i][c]);
+            }
+        }
+    }
+}
+#endif
+
 static void run_item(const Args *a, const Item *it, Scratch *w) {
     const int hd = a->head_dim, bs = a->block_size, group = a->num_heads / a->num_kv_heads;
     const int q_start = a->query_start_loc[it->seq];
@@ -154,6 +239,12 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
             const float *k = k_base + (int64_t)t * a->row_stride;
             for (int d = 0; d < hd; d++) w->kt[(int64_t)d * bsp + t] = t < n ? k[d] : 0.f;
         }
+#if defined(__AVX512F__)
+        if (hd % 64 == 0) {
+            block_update_avx512(a, w, a->v_cache + offset, rows, group, first_pos, block_start, n, bsp);
+            continue;
+        }
+#endif
         block_update(a, w, a->v_cache + offset, rows, group, first_pos, block_start, n, bsp);
     }
     for (int j = 0; j < tile; j++) {
@@ -176,6 +267,8 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
     Args a = {q, out, k_cache, v_cache, block_stride, row_stride, block_tables, bt_stride, query_start_loc,
               seq_lens, num_heads, num_kv_heads, head_dim, block_size, scale};
     int64_t num_items = 0;
+    int max_seq_len = 1;
+    for (int s = 0; s < num_seqs; s++) max_seq_len = seq_lens[s] > max_seq_len ? seq_lens[s] : max_seq_len;
     for (int s = 0; s < num_seqs; s++) {
         int q_len = query_start_loc[s + 1] - query_start_loc[s];
         num_items += (int64_t)num_kv_heads * ((q_len + TILE_Q - 1) / TILE_Q);
@@ -200,10 +293,24 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
         static __thread Scratch *w = NULL;
         if (w == NULL) w = malloc(sizeof(Scratch));
         if (w == NULL) failed = 1;
+        /* Single-token rows (decode rows of a mixed step) take the decode path: no K transpose for one row. */
+        float *scores = malloc(sizeof(float) * (size_t)(num_heads / num_kv_heads) * (size_t)max_seq_len);
+        if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
-            if (w != NULL) run_item(&a, &items[i], w);
+            const Item *it = &items[i];
+            const int q_len = query_start_loc[it->seq + 1] - query_start_loc[it->seq];
+            if (q_len == 1 && scores != NULL) {
+                const int group = num_heads / num_kv_heads;
+                const int64_t offset = ((int64_t)query_start_loc[it->seq] * num_heads + (int64_t)it->kv_head * group) * head_dim;
+                decode_group_f32(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride,
+                                 block_tables + (int64_t)it->seq * bt_stride, seq_lens[it->seq], it->kv_head, group,
+                                 head_dim, block_size, scale, scores);
+            } else if (w != NULL && q_len > 1) {
+                run_item(&a, it, w);
+            }
         }
+        free(scores);
     }
     free(items);
     return failed ? 2 : 0;

@@ -11,7 +11,11 @@ from tests.helpers.paged import SeqChunk, build_metadata
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
 
 
-@pytest.mark.parametrize("block_size,group,head_dim", [(4, 1, 16), (16, 2, 32), (16, 4, 64), (8, 3, 32)])
+# Vector paths: head_dim % 16 (scores), % 64 (weighted values), blocks over 16 keys, groups over 4 heads.
+@pytest.mark.parametrize(
+    "block_size,group,head_dim",
+    [(4, 1, 16), (16, 2, 32), (16, 4, 64), (8, 3, 32), (16, 3, 64), (32, 6, 128), (8, 5, 24), (64, 1, 192)],
+)
 def test_decode_kernel_matches_reference(block_size, group, head_dim):
     gen = torch.Generator().manual_seed(block_size * 7 + group)
     seq_lens = [1, 5, block_size, 3 * block_size + 1, 97, 40]

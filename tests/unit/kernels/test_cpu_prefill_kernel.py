@@ -23,7 +23,10 @@ def _mixed_batch(block_size: int, gen: torch.Generator):
     return meta, len(ids)
 
 
-@pytest.mark.parametrize("block_size,group,head_dim", [(16, 3, 64), (16, 1, 32), (8, 4, 16), (32, 2, 64), (4, 5, 8)])
+@pytest.mark.parametrize(
+    "block_size,group,head_dim",
+    [(16, 3, 64), (16, 1, 32), (8, 4, 16), (32, 2, 64), (4, 5, 8), (16, 6, 128), (64, 1, 192)],
+)
 def test_prefill_kernel_matches_reference(block_size, group, head_dim):
     gen = torch.Generator().manual_seed(block_size * 11 + group)
     meta, num_blocks = _mixed_batch(block_size, gen)

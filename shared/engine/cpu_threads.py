@@ -1,0 +1,116 @@
+"""How many threads a CPU engine step uses, chosen from what else wants the CPUs.
+
+An engine step on the CPU is hundreds of short parallel regions (one per
+matrix product, attention call, norm). Each ends at a barrier where every
+thread waits for the slowest. On a quiet machine the fastest way through is to
+use every core and let idle threads spin briefly between regions. When another
+process wants a core too (the other workers of ``cleave serve``, the router, a
+test suite), one of the step's threads is descheduled at every barrier and the
+others spin or sleep until it runs again: a 2-thread step then runs several
+times slower than a 1-thread step.
+
+``ThreadGovernor`` samples the number of runnable tasks on the machine
+(``/proc/loadavg``) a few times a second, subtracts this process's own running
+threads (``/proc/self/task``), and gives the step the cores that are left (at least one, at most the
+configured count). Two processes of ``cleave serve`` that both compute thus
+settle on one thread each, and either one gets both cores while the other is
+idle. ``CLEAVE_CPU_THREAD_GOVERNOR=0`` keeps the thread count fixed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+SAMPLE_INTERVAL_S = 0.1
+AGREEING_SAMPLES = 2  # a new count is taken after this many samples in a row agree on it
+
+
+def runnable_tasks() -> int | None:
+    """Tasks running or ready to run on the whole machine, or None where the kernel does not say."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def own_running_threads() -> int:
+    """This process's threads that are running or ready to run (at least the caller)."""
+    count = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ...: the name may hold spaces and parentheses, the state follows the last ')'.
+        if stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R":
+            count += 1
+    return max(1, count)
+
+
+def other_runnable_tasks() -> int | None:
+    """Runnable tasks on the machine that are not this process's threads, or None where unknown."""
+    total = runnable_tasks()
+    return None if total is None else max(0, total - own_running_threads())
+
+
+def enabled() -> bool:
+    return os.environ.get("CLEAVE_CPU_THREAD_GOVERNOR", "1") != "0"
+
+
+class ThreadGovernor:
+    """Adjusts ``torch.set_num_threads`` between steps; call ``before_step`` from the engine thread."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        num_cpus: int | None = None,
+        sample: Callable[[], int | None] = other_runnable_tasks,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_threads = max(1, max_threads)
+        self.num_cpus = num_cpus or os.cpu_count() or 1
+        self._sample = sample
+        self._set_threads = set_threads
+        self._clock = clock
+        self.threads = self.max_threads
+        self._next_sample = 0.0
+        self._candidate = self.threads
+        self._agreeing = 0
+        self.changes = 0
+
+    def target(self, others: int) -> int:
+        """The thread count that fits beside ``others`` runnable tasks of other processes."""
+        return max(1, min(self.max_threads, self.num_cpus - others))
+
+    def before_step(self) -> int:
+        """Samples at most every ``SAMPLE_INTERVAL_S``; returns the thread count for this step."""
+        now = self._clock()
+        if self.max_threads == 1 or now < self._next_sample:
+            return self.threads
+        self._next_sample = now + SAMPLE_INTERVAL_S
+        others = self._sample()
+        if others is None:
+            return self.threads
+        wanted = self.target(others)
+        if wanted == self.threads:
+            self._agreeing = 0
+            return self.threads
+        self._agreeing = self._agreeing + 1 if wanted == self._candidate else 1
+        self._candidate = wanted
+        if self._agreeing >= AGREEING_SAMPLES:
+            self.threads = wanted
+            self._set_threads(wanted)
+            self._agreeing = 0
+            self.changes += 1
+        return self.threads

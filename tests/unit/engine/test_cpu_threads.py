@@ -1,0 +1,86 @@
+"""The CPU thread governor: a step gets the cores other processes leave free."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from shared.engine.cpu_threads import ThreadGovernor, other_runnable_tasks, own_running_threads, runnable_tasks
+
+
+class FakeMachine:
+    def __init__(self) -> None:
+        self.others = 0
+        self.now = 0.0
+        self.set_calls: list[int] = []
+
+    def governor(self, max_threads: int = 2, num_cpus: int = 2) -> ThreadGovernor:
+        return ThreadGovernor(max_threads, num_cpus, sample=lambda: self.others, set_threads=self.set_calls.append,
+                              clock=lambda: self.now)  # fmt: skip
+
+    def steps(self, governor: ThreadGovernor, n: int) -> int:
+        for _ in range(n):
+            self.now += 0.06
+            governor.before_step()
+        return governor.threads
+
+
+def test_gives_up_a_core_another_process_wants_and_takes_it_back():
+    m = FakeMachine()
+    g = m.governor()
+    assert m.steps(g, 10) == 2 and m.set_calls == []
+    m.others = 1
+    assert m.steps(g, 10) == 1
+    assert m.set_calls == [1]
+    m.others = 0
+    assert m.steps(g, 10) == 2
+    assert m.set_calls == [1, 2]
+
+
+def test_one_odd_sample_changes_nothing():
+    m = FakeMachine()
+    g = m.governor()
+    m.steps(g, 4)
+    m.others = 3
+    m.now += 0.11
+    g.before_step()  # one sample says busy
+    m.others = 0
+    assert m.steps(g, 10) == 2 and m.set_calls == []
+
+
+def test_bounds_and_samples_at_most_every_interval():
+    m = FakeMachine()
+    g = m.governor(max_threads=4, num_cpus=8)
+    m.others = 5
+    assert m.steps(g, 10) == 3  # 8 CPUs, 5 taken
+    m.others = 20
+    assert m.steps(g, 10) == 1  # never below one
+    m.others = 0
+    assert m.steps(g, 10) == 4  # never above the configured count
+    calls = []
+    g2 = ThreadGovernor(2, 2, sample=lambda: calls.append(1) or 0, set_threads=lambda n: None, clock=lambda: 5.0)
+    for _ in range(100):
+        g2.before_step()
+    assert len(calls) == 1  # the clock did not move: one sample
+
+
+def test_reads_this_machine():
+    total = runnable_tasks()
+    if total is None:  # no /proc/loadavg here
+        return
+    assert own_running_threads() >= 1  # the caller itself is running
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 30
+        seen = 0
+        while time.monotonic() < deadline and seen == 0:
+            others = other_runnable_tasks()
+            assert others is not None and others >= 0
+            seen = others
+        assert seen >= 1, "a busy child process never showed as runnable"
+    finally:
+        busy.kill()
+        busy.wait()
+    assert os.cpu_count()
