@@ -60,7 +60,9 @@ def make_agent(nixl: ModuleType, name: str, config: Any) -> Any:
     The agent config the API builds is replaced, for this one construction, by a subclass whose
     ``pthrDelay`` is never below ``PROGRESS_THREAD_POLL_US``.
     """
-    bindings: Any = getattr(nixl, "_bindings", None) or getattr(sys.modules.get(f"{nixl.__name__}._api"), "nixlBind", None)
+    bindings: Any = getattr(nixl, "_bindings", None) or getattr(
+        sys.modules.get(f"{nixl.__name__}._api"), "nixlBind", None
+    )
     base = getattr(bindings, "nixlAgentConfig", None)
     if bindings is None or base is None or not isinstance(getattr(base, "pthrDelay", None), property):
         return nixl.nixl_agent(name, config)  # another layout: take the API as it is
