@@ -10,8 +10,10 @@ others spin or sleep until it runs again: a 2-thread step then runs several
 times slower than a 1-thread step.
 
 ``ThreadGovernor`` samples the number of runnable tasks on the machine
-(``/proc/loadavg``) a few times a second, subtracts this process's own running
-threads (``/proc/self/task``), and gives the step the cores that are left (at least one, at most the
+(``/proc/loadavg``) ten times a second, subtracts this process's own running
+threads (``/proc/self/task``), averages the last second of samples (a router
+that streams tokens is runnable a small fraction of the time; a busy process
+all of it), and gives the step the cores that are left (at least one, at most the
 configured count). Two processes of ``cleave serve`` that both compute thus
 settle on one thread each, and either one gets both cores while the other is
 idle. ``CLEAVE_CPU_THREAD_GOVERNOR=0`` keeps the thread count fixed.
@@ -19,14 +21,16 @@ idle. ``CLEAVE_CPU_THREAD_GOVERNOR=0`` keeps the thread count fixed.
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
 SAMPLE_INTERVAL_S = 0.1
-AGREEING_SAMPLES = 2  # a new count is taken after this many samples in a row agree on it
+WINDOW = 10  # samples averaged: the last second
 
 
 def runnable_tasks() -> int | None:
@@ -85,13 +89,12 @@ class ThreadGovernor:
         self._clock = clock
         self.threads = self.max_threads
         self._next_sample = 0.0
-        self._candidate = self.threads
-        self._agreeing = 0
+        self._samples: deque[int] = deque(maxlen=WINDOW)
         self.changes = 0
 
-    def target(self, others: int) -> int:
-        """The thread count that fits beside ``others`` runnable tasks of other processes."""
-        return max(1, min(self.max_threads, self.num_cpus - others))
+    def target(self, others: float) -> int:
+        """The thread count that fits beside ``others`` (on average) runnable tasks of other processes."""
+        return max(1, min(self.max_threads, math.floor(self.num_cpus - others + 0.5)))
 
     def before_step(self) -> int:
         """Samples at most every ``SAMPLE_INTERVAL_S``; returns the thread count for this step."""
@@ -102,15 +105,10 @@ class ThreadGovernor:
         others = self._sample()
         if others is None:
             return self.threads
-        wanted = self.target(others)
-        if wanted == self.threads:
-            self._agreeing = 0
-            return self.threads
-        self._agreeing = self._agreeing + 1 if wanted == self._candidate else 1
-        self._candidate = wanted
-        if self._agreeing >= AGREEING_SAMPLES:
+        self._samples.append(others)
+        wanted = self.target(sum(self._samples) / len(self._samples))
+        if wanted != self.threads:
             self.threads = wanted
             self._set_threads(wanted)
-            self._agreeing = 0
             self.changes += 1
         return self.threads
