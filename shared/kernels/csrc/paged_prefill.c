@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE_Q 16
+#define TILE_Q 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
