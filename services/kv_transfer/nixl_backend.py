@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
 from types import ModuleType
@@ -44,6 +45,41 @@ _MEM_TYPES = ("DRAM", "VRAM")
 
 class NixlUnavailableError(RuntimeError):
     """NIXL is not installed here, or its agent could not start."""
+
+
+# The Python API creates its agents with a progress-thread poll timeout of 0 µs, so the thread
+# busy-polls a whole core even when idle. The thread waits on the UCX workers' event fds, so a
+# longer timeout costs no transfer latency: incoming traffic wakes it at once.
+PROGRESS_THREAD_POLL_US = 5000
+_config_lock = threading.Lock()
+
+
+def make_agent(nixl: ModuleType, name: str, config: Any) -> Any:
+    """``nixl.nixl_agent(name, config)`` with a progress thread that sleeps when idle.
+
+    The agent config the API builds is replaced, for this one construction, by a subclass whose
+    ``pthrDelay`` is never below ``PROGRESS_THREAD_POLL_US``.
+    """
+    bindings: Any = getattr(nixl, "_bindings", None) or getattr(
+        sys.modules.get(f"{nixl.__name__}._api"), "nixlBind", None
+    )
+    base = getattr(bindings, "nixlAgentConfig", None)
+    if bindings is None or base is None or not isinstance(getattr(base, "pthrDelay", None), property):
+        return nixl.nixl_agent(name, config)  # another layout: take the API as it is
+
+    def get_delay(self: Any) -> int:
+        return base.pthrDelay.__get__(self)
+
+    def set_delay(self: Any, value: int) -> None:
+        base.pthrDelay.__set__(self, max(int(value), PROGRESS_THREAD_POLL_US))
+
+    sleepy = type("SleepyAgentConfig", (base,), {"pthrDelay": property(get_delay, set_delay)})
+    with _config_lock:
+        bindings.nixlAgentConfig = sleepy
+        try:
+            return nixl.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgentConfig = base
 
 
 def import_nixl() -> ModuleType:
@@ -82,7 +118,7 @@ class NixlConnector(KVConnector):
         self._add_lock = threading.Lock()
         self._agent: Any = None
         try:
-            self._agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(backends=["UCX"]))
+            self._agent = make_agent(nixl, self.name, nixl.nixl_agent_config(backends=["UCX"]))
             if "UCX" not in self._agent.backends:
                 raise NixlUnavailableError(f"{nixl.__name__} has no UCX plugin")
             self._registration = self._agent.register_memory(kv_cache)

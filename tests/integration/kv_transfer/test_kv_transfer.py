@@ -404,3 +404,23 @@ def test_stopped_or_killed_peer_fails_within_timeout(peer_processes):
         if peer.proc.poll() is None:
             peer.signal(signal.SIGKILL)
         peer.stop()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="NIXL does not import")
+def test_idle_nixl_agent_leaves_the_cpu_alone():
+    """The agent's progress thread waits on its event fds instead of polling with a zero timeout."""
+    peer = PeerProcess([spec("nixl", "float32")])
+    try:
+        assert peer.metadata  # the agent is up, its KV registered
+
+        def cpu_seconds() -> float:
+            fields = Path(f"/proc/{peer.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        before, start = cpu_seconds(), time.monotonic()
+        while time.monotonic() - start < 2.0:
+            time.sleep(0.1)
+        busy = (cpu_seconds() - before) / (time.monotonic() - start)
+        assert busy < 0.25, f"an idle NIXL peer used {busy:.0%} of a core"  # a busy-polling thread: ~100%
+    finally:
+        peer.stop()
