@@ -27,6 +27,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
@@ -56,8 +61,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._idle_checked = False
-                for delta in self.core.step():
-                    self._publish(delta)
+                self._publish_all(self.core.step())
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop failed")
             self.error = e
@@ -91,11 +95,17 @@ class AsyncEngine:
                 fut.set_result(result)
 
     def _publish(self, delta: RequestOutputDelta) -> None:
-        key = delta.parent_request_id or delta.request_id
-        target = self._streams.get(key)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, delta)
+        self._publish_all([delta])
+
+    def _publish_all(self, deltas: list[RequestOutputDelta]) -> None:
+        """Hand a step's deltas to their streams: one wake-up per event loop, not one per delta."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutputDelta]]] = {}
+        for delta in deltas:
+            target = self._streams.get(delta.parent_request_id or delta.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     # ---- any thread -----------------------------------------------------------------------
 

@@ -4,14 +4,16 @@ An engine step on the CPU is hundreds of short parallel regions (one per
 matrix product, attention call, norm). Each ends at a barrier where every
 thread waits for the slowest. On a quiet machine the fastest way through is to
 use every core and let idle threads spin briefly between regions. When another
-process wants a core too (the other workers of ``cleave serve``, the router, a
-test suite), one of the step's threads is descheduled at every barrier and the
-others spin or sleep until it runs again: a 2-thread step then runs several
-times slower than a 1-thread step.
+process computes on a core without pause (another engine, a test suite), one of
+the step's threads is descheduled at every barrier and the others spin or sleep
+until it runs again: a 2-thread step then runs slower than a 1-thread step (2.3x
+slower offline beside one busy process, measured on 2 cores).
 
 ``ThreadGovernor`` samples the number of runnable tasks on the machine
-(``/proc/loadavg``) a few times a second, subtracts this process's own running
-threads (``/proc/self/task``), and gives the step the cores that are left (at least one, at most the
+(``/proc/loadavg``) ten times a second, subtracts this process's own running
+threads (``/proc/self/task``), takes the lowest count of the last second (a busy
+process is runnable in every sample; a router that streams tokens only now and
+then), and gives the step the cores that are left (at least one, at most the
 configured count). Two processes of ``cleave serve`` that both compute thus
 settle on one thread each, and either one gets both cores while the other is
 idle. ``CLEAVE_CPU_THREAD_GOVERNOR=0`` keeps the thread count fixed.
@@ -19,14 +21,22 @@ idle. ``CLEAVE_CPU_THREAD_GOVERNOR=0`` keeps the thread count fixed.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
+logger = logging.getLogger("cleave.engine")
+
 SAMPLE_INTERVAL_S = 0.1
-AGREEING_SAMPLES = 2  # a new count is taken after this many samples in a row agree on it
+WINDOW = 10  # samples kept: the last second
+# The demand counted is the window's lowest sample: a process that computes without pause shows
+# in every sample and takes a core; a router and a client that stream tokens (runnable now and
+# then, even most of the time) do not, since a step at one thread less loses more than their
+# short interruptions cost (measured: 2 threads serve ~10% more tokens/s beside them).
 
 
 def runnable_tasks() -> int | None:
@@ -85,12 +95,11 @@ class ThreadGovernor:
         self._clock = clock
         self.threads = self.max_threads
         self._next_sample = 0.0
-        self._candidate = self.threads
-        self._agreeing = 0
+        self._samples: deque[int] = deque(maxlen=WINDOW)
         self.changes = 0
 
     def target(self, others: int) -> int:
-        """The thread count that fits beside ``others`` runnable tasks of other processes."""
+        """The thread count that fits beside ``others`` continuously runnable tasks of other processes."""
         return max(1, min(self.max_threads, self.num_cpus - others))
 
     def before_step(self) -> int:
@@ -102,15 +111,12 @@ class ThreadGovernor:
         others = self._sample()
         if others is None:
             return self.threads
+        self._samples.append(others)
+        others = min(self._samples)
         wanted = self.target(others)
-        if wanted == self.threads:
-            self._agreeing = 0
-            return self.threads
-        self._agreeing = self._agreeing + 1 if wanted == self._candidate else 1
-        self._candidate = wanted
-        if self._agreeing >= AGREEING_SAMPLES:
+        if wanted != self.threads:
+            logger.debug("cpu_threads threads=%d others=%d", wanted, others)
             self.threads = wanted
             self._set_threads(wanted)
-            self._agreeing = 0
             self.changes += 1
         return self.threads

@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE_Q 16
+#define TILE_Q 32
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
@@ -133,6 +133,24 @@ static void block_update(const Args *a, Scratch *w, const float *v_base, int row
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+static inline __mmask16 lanes_below(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+
+/* e^x for x <= 0 (scores minus their running maximum): 2^(x log2 e) as 2^round * 2^frac, the fraction
+ * by its Taylor series to degree 6 (relative error ~1e-7); vscalefps makes very negative x exactly 0. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n); /* in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* block_update for head_dim % 64 == 0: the scores of ROW_GROUP rows x 16 keys and the rows'
  * accumulators (64 dims at a time) stay in registers. */
 static void block_update_avx512(const Args *a, Scratch *w, const float *v_base, int rows, int group, int first_pos,
@@ -171,15 +189,19 @@ static void block_update_avx512(const Args *a, Scratch *w, const float *v_base, 
                 continue;
             }
             float m_new = w->m[r];
-            for (int t = 0; t < valid; t++) m_new = p[t] > m_new ? p[t] : m_new;
-            float sum = 0.f;
-            correction[i] = expf(w->m[r] - m_new);
-            for (int t = 0; t < valid; t++) {
-                p[t] = expf(p[t] - m_new);
-                sum += p[t];
+            for (int c = 0; c < valid; c += 16) {
+                const __mmask16 live = lanes_below(valid - c);
+                m_new = fmaxf(m_new, _mm512_mask_reduce_max_ps(live, _mm512_maskz_loadu_ps(live, p + c)));
             }
-            for (int t = valid; t < n; t++) p[t] = 0.f;
-            w->l[r] = w->l[r] * correction[i] + sum;
+            correction[i] = expf(w->m[r] - m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < bsp; c += 16) { /* keys at or past `valid` get weight 0 */
+                const __mmask16 live = c < valid ? lanes_below(valid - c) : 0;
+                const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p + c), _mm512_set1_ps(m_new))));
+                _mm512_storeu_ps(p + c, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            w->l[r] = w->l[r] * correction[i] + _mm512_reduce_add_ps(sum);
             w->m[r] = m_new;
         }
         for (int d0 = 0; d0 < hd; d0 += 64) {
