@@ -80,9 +80,9 @@ class Route:
     decode_worker: WorkerClient
     decode_overlap: int
 
-    def prefill_blocks(self, ctx: CallContext, worker: WorkerClient) -> int:
+    def uncached_blocks(self, ctx: CallContext, worker: WorkerClient) -> int:
         assert ctx.kv_router is not None
-        return len(self.blocks.hashes) - ctx.kv_router.overlap(worker, self.blocks)
+        return ctx.kv_router.uncached_blocks(worker, self.blocks)
 
 
 async def _pick(
@@ -194,7 +194,7 @@ async def _prefill(
             return None
         if tried:  # an earlier prefill worker was unreachable
             ctx.metrics.retries.labels("prefill").inc()
-        with worker.track(route.prefill_blocks(ctx, worker) if route else 0):
+        with worker.track(route.uncached_blocks(ctx, worker) if route else 0):
             try:
                 return worker, await worker.stub.Prefill(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
             except asyncio.CancelledError:
@@ -317,7 +317,7 @@ async def _decode_on(
     call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
     received = finished = unreachable = False
     num_open = max(1, request.sampling.n)  # a forked request ends when all its samples have
-    with worker.track(len(route.blocks.hashes) if route else 0):
+    with worker.track(route.uncached_blocks(ctx, worker) if route else 0):
         try:
             async for response in call:
                 received = True

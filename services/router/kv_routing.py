@@ -6,8 +6,12 @@ first ``overlap`` blocks (per the ``KVIndex``)::
     cost = overlap_weight * (num_blocks - overlap) + in_flight_blocks + num_waiting
 
 ``in_flight_blocks`` is the work this router has sent the worker and not yet
-seen finish (blocks to compute on a prefill worker, blocks held on a decode
-worker). The cheapest worker wins; with ``temperature > 0`` the choice is a
+seen finish: the blocks each call makes it compute (or pull, on a decode
+worker), i.e. the prompt's blocks it lacked when the call was routed. A call
+on blocks the worker already caches adds nothing there: counting all its
+blocks would make one running request on the holder of a shared prefix look as
+costly as recomputing that prefix elsewhere, and spread every prefix over every
+worker. The cheapest worker wins; with ``temperature > 0`` the choice is a
 softmax over costs normalised to [0, 1], which spreads load among near-equals.
 Ties rotate (the pool passes candidates in rotated order).
 """
@@ -59,6 +63,10 @@ class KVRouter:
         if worker.entry is None:
             return 0
         return self.index.prefix_overlap(blocks.hashes).get(worker.entry.worker_id, 0)
+
+    def uncached_blocks(self, worker: WorkerClient, blocks: PromptBlocks) -> int:
+        """The prompt's blocks ``worker`` would compute or pull: what a call adds to its ``in_flight_blocks``."""
+        return len(blocks.hashes) - self.overlap(worker, blocks)
 
     def chooser(self, blocks: PromptBlocks) -> Chooser:
         overlaps = self.index.prefix_overlap(blocks.hashes)
