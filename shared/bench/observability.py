@@ -77,12 +77,13 @@ def start_cluster(serve_args: list[str], port: int) -> tuple[subprocess.Popen, l
         if "router metrics:" in line:
             urls.append(line.split()[-1])
         if "Press Ctrl-C" in line:
-            threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+            threading.Thread(target=drain_output, args=(proc,), daemon=True).start()
             return proc, urls
     raise RuntimeError(f"cleave serve exited with code {proc.wait()} before serving")
 
 
-def _drain(proc: subprocess.Popen) -> None:
+def drain_output(proc: subprocess.Popen) -> None:
+    """Read a child's stdout to the end, so its pipe never fills and blocks it."""
     assert proc.stdout is not None
     for _ in proc.stdout:
         pass

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from shared.bench.observability import drain_output, stop_cluster
 
 POLICIES = ("kv_aware", "least_loaded", "round_robin")
 # The report's columns: (row key, bench serve key).
@@ -122,25 +123,14 @@ class Cluster:
         for line in proc.stdout:
             tail = [*tail[-30:], line]
             if line.startswith(ready):
-                threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+                threading.Thread(target=drain_output, args=(proc,), daemon=True).start()
                 return proc, dict(p.split("=", 1) for p in line.split()[1:] if "=" in p)
         raise RuntimeError(f"{cmd[2]} exited with code {proc.wait()}:\n{''.join(tail)}")
 
     def stop(self) -> None:
         for proc in reversed(self.procs):  # router first, Redis last (stopping workers deregister)
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-
-
-def _drain(proc: subprocess.Popen) -> None:
-    assert proc.stdout is not None
-    for _ in proc.stdout:
-        pass
+                stop_cluster(proc)
 
 
 def _free_port() -> int:

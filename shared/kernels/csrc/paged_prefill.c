@@ -82,20 +82,29 @@ static void block_scores(const Scratch *w, int r0, int hd, int bsp, float S[ROW_
     }
 }
 
+/* Rows r = j * group + g; token j (absolute position first_pos + j) sees keys t <= first_pos + j. */
+static inline int group_masked(int r0, int rows, int group, int first_pos, int block_start) {
+    const int last_row = r0 + ROW_GROUP - 1 < rows ? r0 + ROW_GROUP - 1 : rows - 1;
+    return first_pos + last_row / group + 1 - block_start <= 0; /* no row of the group sees the block */
+}
+
+/* Keys of this n-key block that row r sees (0 for padding rows past `rows`). */
+static inline int row_valid(int r, int rows, int group, int first_pos, int block_start, int n) {
+    const int valid = r < rows ? first_pos + r / group + 1 - block_start : 0;
+    return valid < 0 ? 0 : valid > n ? n : valid;
+}
+
 static void block_update(const Args *a, Scratch *w, const float *v_base, int rows, int group, int first_pos,
                          int block_start, int n, int bsp) {
-    /* Rows r = j * group + g; token j (absolute position first_pos + j) sees keys t <= first_pos + j. */
     const int hd = a->head_dim;
     float S[ROW_GROUP][MAX_BLOCK];
     for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
-        const int last_row = r0 + ROW_GROUP - 1 < rows ? r0 + ROW_GROUP - 1 : rows - 1;
-        if (first_pos + last_row / group + 1 - block_start <= 0) continue; /* the whole group is masked */
+        if (group_masked(r0, rows, group, first_pos, block_start)) continue;
         block_scores(w, r0, hd, bsp, S);
         int max_valid = 0;
         for (int i = 0; i < ROW_GROUP; i++) {
             const int r = r0 + i;
-            int valid = r < rows ? first_pos + r / group + 1 - block_start : 0;
-            valid = valid < 0 ? 0 : valid > n ? n : valid;
+            const int valid = row_valid(r, rows, group, first_pos, block_start, n);
             max_valid = valid > max_valid ? valid : max_valid;
             float *p = S[i];
             if (valid == 0) { /* masked (or padding) row: weights zero, state unchanged */
@@ -158,8 +167,7 @@ static void block_update_avx512(const Args *a, Scratch *w, const float *v_base, 
     const int hd = a->head_dim;
     float S[ROW_GROUP][MAX_BLOCK];
     for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
-        const int last_row = r0 + ROW_GROUP - 1 < rows ? r0 + ROW_GROUP - 1 : rows - 1;
-        if (first_pos + last_row / group + 1 - block_start <= 0) continue; /* the whole group is masked */
+        if (group_masked(r0, rows, group, first_pos, block_start)) continue;
         const float *q0 = w->qs + (int64_t)r0 * hd;
         for (int c = 0; c < bsp; c += KEY_CHUNK) {
             __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
@@ -179,8 +187,7 @@ static void block_update_avx512(const Args *a, Scratch *w, const float *v_base, 
         float correction[ROW_GROUP];
         for (int i = 0; i < ROW_GROUP; i++) {
             const int r = r0 + i;
-            int valid = r < rows ? first_pos + r / group + 1 - block_start : 0;
-            valid = valid < 0 ? 0 : valid > n ? n : valid;
+            const int valid = row_valid(r, rows, group, first_pos, block_start, n);
             max_valid = valid > max_valid ? valid : max_valid;
             float *p = S[i];
             correction[i] = 1.f;
