@@ -197,29 +197,25 @@ class DecoderLayer(nn.Module):
         return residual + hidden
 
     def forward_fused(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv_cache, meta, attn_backend
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """float32 on the CPU: ``forward`` with each residual add fused into the norm after it.
+        self, hidden: torch.Tensor | None, residual: torch.Tensor, cos, sin, kv_cache, meta, attn_backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 on the CPU (``cpu_kernels.fuses_residual``): ``forward`` with each residual add
+        fused into the norm after it.
 
-        ``hidden`` is the previous layer's MLP output still to be added to ``residual``
-        (None before the first layer: ``hidden`` is then the embedding). Returns this
-        layer's (MLP output, residual), or None where the fused kernels do not apply.
+        ``hidden`` is the previous layer's MLP output still to be added to ``residual``, or None
+        before the first layer (``residual`` is then the embedding, a fresh tensor that becomes the
+        residual stream, updated in place). Returns this layer's (MLP output, residual).
         """
-        if residual is None:  # the embedding, a fresh tensor: it becomes the residual stream, updated in place
-            residual = hidden
-            normed = self.input_layernorm(hidden)
-        else:
-            fused = cpu_kernels.add_rms_norm_(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-            if fused is None:
-                return None
-            normed = fused
+        normed = self.input_layernorm(residual) if hidden is None else add_norm_(hidden, residual, self.input_layernorm)
         attn_out = self.self_attn(normed, cos, sin, kv_cache, meta, attn_backend)
-        normed = cpu_kernels.add_rms_norm_(
-            attn_out, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
-        )
-        if normed is None:
-            return None
-        return self.mlp(normed), residual
+        return self.mlp(add_norm_(attn_out, residual, self.post_attention_layernorm)), residual
+
+
+def add_norm_(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """``residual += x`` in place, then ``norm(residual)``, in one pass (where ``fuses_residual`` holds)."""
+    out = cpu_kernels.add_rms_norm_(x, residual, norm.weight, norm.eps)
+    assert out is not None, "add_norm_ needs cpu_kernels.fuses_residual"
+    return out
 
 
 class LlamaModel(nn.Module):
@@ -260,15 +256,13 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim]
         if cpu_kernels.fuses_residual(hidden):
-            residual: torch.Tensor | None = None
+            mlp_out: torch.Tensor | None = None
+            residual = hidden
             for layer_idx, layer in enumerate(self.decoder_layers()):
-                fused = layer.forward_fused(hidden, residual, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
-                assert fused is not None  # fuses_residual checked what the kernels need
-                hidden, residual = fused
-            assert residual is not None
-            normed = cpu_kernels.add_rms_norm_(hidden, residual, self.norm.weight, self.norm.eps)
-            assert normed is not None
-            return normed
+                mlp_out, residual = layer.forward_fused(
+                    mlp_out, residual, cos, sin, kv_cache[:, layer_idx], meta, attn_backend
+                )
+            return self.norm(residual) if mlp_out is None else add_norm_(mlp_out, residual, self.norm)
         for layer_idx, layer in enumerate(self.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
         return self.norm(hidden)
