@@ -551,7 +551,7 @@ class CompletionFormat:
     def delta_chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
         first = self.state.first(delta)
         echo = self.state.echo(delta.index) if first else ""
-        if not (delta.text or delta.logprobs or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
+        if not (delta.num_tokens or delta.text or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
             return None
         choice = CompletionChoice(
             index=delta.index,
@@ -627,11 +627,14 @@ class ChatFormat:
             return self._tool_chunks(delta, self.prep.tool_plan)
         first = self.state.first(delta)
         echo = self.state.echo(delta.index) if first else ""
-        if not (delta.text or delta.logprobs or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
+        if not (delta.num_tokens or delta.text or delta.finish_reason or echo or self.state.carries_ids(delta, first)):
             return None
+        # A token whose text is still held back (part of a character, a possible stop string) has a
+        # chunk with empty content: one chunk per token, so clients see the pace of generation.
+        content = echo + delta.text
         choice = ChatStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=(echo + delta.text) or None),
+            delta=DeltaMessage(content=content if content or delta.num_tokens else None),
             logprobs=chat_logprobs(delta.logprobs),
             finish_reason=delta.finish_reason,
             token_ids=self.state.token_ids(delta.token_ids),

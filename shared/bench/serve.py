@@ -6,7 +6,8 @@ throughput workload (optionally mixed with long prompts) or, with
 ``--prefix-groups``, a shared-prefix workload (many users per group prefix),
 EOS ignored. Prints
 JSON in the conventions of vLLM's serving benchmark (ms; mean/median/p99 of
-TTFT, TPOT, ITL and end-to-end latency). With ``--worker-metrics URL``
+TTFT, TPOT, ITL and end-to-end latency; TTFT and ITL are timed by the chunks
+that carry a choice, with or without text). With ``--worker-metrics URL``
 (repeatable), KV transfer bytes and seconds per request are read from the
 workers' Prometheus endpoints before and after the run, and for the
 shared-prefix workload the fleet's prefix-cache hit rate against the ideal
@@ -63,7 +64,9 @@ async def one_request(
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # As vLLM's client: every chunk with a choice counts, text or not (a server that holds
+                # back a token's text still sends its chunk), so TTFT and ITL follow tokens.
+                if chunk.get("choices"):
                     num_chunks += 1
                     now = time.perf_counter()
                     if result.ttft == 0.0:
@@ -72,7 +75,7 @@ async def one_request(
                         result.itls.append(now - last)
                     last = now
         result.e2el = time.perf_counter() - start
-        # Servers that send no usage: count streamed text chunks as tokens.
+        # Servers that send no usage: count streamed chunks as tokens.
         result.output_tokens = result.output_tokens or num_chunks
         result.ok = True
     except Exception as e:  # a failed request is counted, not fatal

@@ -189,6 +189,21 @@ def test_multibyte_text_streams_whole_characters(agg_router, script, tokenizer, 
     assert not any("\ufffd" in t for t in texts)
 
 
+def test_every_token_has_a_chunk_while_its_text_is_held(agg_router, script, tokenizer, stream_post):
+    """A token that ends inside a character streams an empty-text chunk: clients see one chunk per token."""
+    count = len(script.token_ids)
+    events = stream_post(agg_router, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": count})
+    chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+    assert len(chunks) == count
+    held = [c for c in chunks if c["choices"][0]["text"] == ""]
+    assert held, "the script splits a character across tokens, so some token has no text yet"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(script.ids(count))
+    chat = stream_post(agg_router, "/v1/chat/completions",
+                       {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": count})  # fmt: skip
+    deltas = [e["choices"][0]["delta"] for e in chat[:-1] if e["choices"] and "role" not in e["choices"][0]["delta"]]
+    assert len(deltas) == count and all(isinstance(d.get("content"), str) for d in deltas)
+
+
 def test_n2_is_one_forked_request_with_distinct_seeds(router, script, tokenizer):
     body = post(router, {"prompt": "Hi", "max_tokens": 4, "n": 2, "seed": 3}).json()
     choices = sorted(body["choices"], key=lambda c: c["index"])
