@@ -28,6 +28,16 @@ static inline float dot(const float *a, const float *b, int n) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4 /* blocks: one block's work is shorter than a memory round trip */
+#endif
+
+/* Start loading ``num_floats`` of each of ``rows`` rows (row_stride apart) into the cache. */
+static inline void prefetch_rows(const float *base, int64_t row_stride, int rows, int num_floats) {
+    for (int i = 0; i < rows; i++)
+        for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T0);
+}
+
 /* Row sums of 16 partial-sum vectors: lane t of the result is the sum of p[t]'s lanes. */
 static inline __m512 sum16(__m512 p[16]) {
     __m512 a[8], b[4], c[2];
@@ -80,12 +90,9 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
                 const float *base =
                     v_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim + d0;
                 const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
-                if (b + 1 < num_blocks)
-                    for (int i = 0; i < block_size; i++)
-                        for (int d = 0; d < 64; d += 16)
-                            _mm_prefetch((const char *)(v_cache + (int64_t)block_table[b + 1] * block_stride +
-                                                        (int64_t)kv_head * head_dim + d0 + (int64_t)i * row_stride + d),
-                                         _MM_HINT_T0);
+                for (int p = b == 0 ? 1 : b + PREFETCH_AHEAD; p <= b + PREFETCH_AHEAD && p < num_blocks; p++)
+                    prefetch_rows(v_cache + (int64_t)block_table[p] * block_stride + (int64_t)kv_head * head_dim + d0,
+                                  row_stride, block_size, 64);
                 const float *w = scores + (int64_t)g0 * seq_len + b * block_size;
                 for (int i = 0; i < n; i++) {
                     const float *v = base + (int64_t)i * row_stride;
@@ -123,12 +130,10 @@ static void score_context(const float *q, const float *k_cache, int64_t block_st
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
 #if defined(__AVX512F__)
         if (head_dim % 16 == 0) {
-            if (b + 1 < num_blocks) /* the next block sits elsewhere: start loading it */
-                for (int i = 0; i < block_size; i++)
-                    for (int d = 0; d < head_dim; d += 16)
-                        _mm_prefetch((const char *)(k_cache + (int64_t)block_table[b + 1] * block_stride +
-                                                    (int64_t)kv_head * head_dim + (int64_t)i * row_stride + d),
-                                     _MM_HINT_T0);
+            /* Blocks sit anywhere: start loading the one PREFETCH_AHEAD on (the blocks before it at the start). */
+            for (int p = b == 0 ? 1 : b + PREFETCH_AHEAD; p <= b + PREFETCH_AHEAD && p < num_blocks; p++)
+                prefetch_rows(k_cache + (int64_t)block_table[p] * block_stride + (int64_t)kv_head * head_dim,
+                              row_stride, block_size, head_dim);
             for (int i = 0; i < n; i += 16)
                 score_keys(q, base + (int64_t)i * row_stride, row_stride, n - i < 16 ? n - i : 16, group, head_dim,
                            scale, scores, seq_len, b * block_size + i);
