@@ -13,8 +13,10 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 
 def _mixed_batch(block_size: int, gen: torch.Generator):
     # (cached tokens, new tokens): whole prompts, chunks after a cached prefix, decode rows,
-    # tiles that end mid-block and new tokens that start mid-block.
-    shapes = [(0, 1), (0, 5), (0, 37), (block_size, block_size), (3, 40), (70, 1), (2 * block_size + 5, 17), (0, 100)]
+    # tiles that end mid-block and new tokens that start mid-block; a long context that the AVX-512
+    # path reads in several spans of blocks, its new tokens starting mid-span.
+    shapes = [(0, 1), (0, 5), (0, 37), (block_size, block_size), (3, 40), (70, 1), (2 * block_size + 5, 17), (0, 100),
+              (9 * block_size + 3, 70)]  # fmt: skip
     blocks_per_seq = [-(-(c + n) // block_size) for c, n in shapes]
     ids = torch.randperm(sum(blocks_per_seq) + 3, generator=gen).tolist()
     starts = [sum(blocks_per_seq[:i]) for i in range(len(shapes))]
