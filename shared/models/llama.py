@@ -16,6 +16,7 @@ Attention is full causal attention: a checkpoint's sliding window (see
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from typing import cast
 
@@ -26,6 +27,7 @@ from torch import nn
 from shared.kernels import cpu_kernels
 from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig, ModelLoadError
+from shared.models.cpu_stack import CpuStack
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -243,6 +245,7 @@ class LlamaModel(nn.Module):
         # Kept in float32 and cast per step, as HF casts its float32 cos/sin to the activation dtype.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._cpu_stacks: dict[type, CpuStack | None] = {}
 
     def forward(
         self,
@@ -252,6 +255,9 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         attn_backend,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        stack = self.cpu_stack(attn_backend)
+        if stack is not None and stack.supports(kv_cache, meta):
+            return stack.forward(input_ids, positions, kv_cache, meta)  # the same ops, without module dispatch
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim]
@@ -266,6 +272,17 @@ class LlamaModel(nn.Module):
         for layer_idx, layer in enumerate(self.decoder_layers()):
             hidden = layer(hidden, cos, sin, kv_cache[:, layer_idx], meta, attn_backend)
         return self.norm(hidden)
+
+    def cpu_stack(self, attn_backend) -> CpuStack | None:
+        """The float32 CPU forward without module dispatch (``CpuStack``), where it applies; built once
+        per backend type (its checks see the loaded weights). ``CLEAVE_CPU_STACK=0`` turns it off."""
+        key = type(attn_backend)
+        if key not in self._cpu_stacks:
+            enabled = os.environ.get("CLEAVE_CPU_STACK", "1") != "0"
+            lib = cpu_kernels.load()
+            usable = enabled and lib is not None and CpuStack.applies(self, attn_backend)
+            self._cpu_stacks[key] = CpuStack(self, lib) if usable and lib is not None else None
+        return self._cpu_stacks[key]
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]

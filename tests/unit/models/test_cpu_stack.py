@@ -1,0 +1,60 @@
+"""The float32 CPU stack without module dispatch equals the model's own forward bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.kernels import cpu_kernels
+from shared.kernels.torch_ref import TorchAttentionBackend
+from shared.models.loader import load_model
+from tests.helpers.paged import PagedSequences
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+
+BLOCK_SIZE = 16
+
+
+def _run(model, stack_on: bool) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor]:
+    backend = TorchAttentionBackend()
+    if not stack_on:
+        model._cpu_stacks[type(backend)] = None  # the module path
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 40)]
+    paged = PagedSequences(model, backend, BLOCK_SIZE, max_len=96, num_seqs=3, seed=7)
+    outs = [
+        paged.step({0: prompts[0][:37], 1: prompts[1]}),  # a chunk, a whole prompt
+        paged.step({0: prompts[0][37:], 1: [11], 2: prompts[2]}),  # the rest, a decode row, a prompt: mixed
+        paged.step({0: [12], 1: [13], 2: [14]}),  # pure decode
+        paged.step({0: [15], 1: [16], 2: [17]}),
+    ]
+    return outs, paged.kv_cache
+
+
+@pytest.mark.parametrize(
+    "arch,sizes",
+    [("llama", {}), ("mistral", {}), ("llama3", {"head_dim": 64, "num_attention_heads": 6, "hidden_size": 384})],
+)
+def test_stack_matches_the_module_forward_exactly(checkpoint_factory, arch, sizes):
+    model_dir = checkpoint_factory(arch, **sizes)
+    fast_model, _ = load_model(model_dir, dtype="float32")
+    assert fast_model.cpu_stack(TorchAttentionBackend()) is not None
+    slow_model, _ = load_model(model_dir, dtype="float32")
+    fast, fast_cache = _run(fast_model, stack_on=True)
+    slow, slow_cache = _run(slow_model, stack_on=False)
+    for step_fast, step_slow in zip(fast, slow, strict=True):
+        for seq in step_slow:
+            assert torch.equal(step_fast[seq], step_slow[seq])
+    assert torch.equal(fast_cache, slow_cache)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_stack_declines_what_the_fused_path_does_not_do(checkpoint_factory, arch):
+    """q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) keep the module path."""
+    model, _ = load_model(checkpoint_factory(arch), dtype="float32")
+    assert model.cpu_stack(TorchAttentionBackend()) is None
+
+
+def test_bfloat16_keeps_the_module_path(checkpoint_factory):
+    model, _ = load_model(checkpoint_factory("llama"), dtype="bfloat16")
+    assert model.cpu_stack(TorchAttentionBackend()) is None
