@@ -49,19 +49,33 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # A step's deltas reach their streams when the next step's forward starts (or before a command
+        # runs, or when the engine goes idle): the event loop then streams them while the forward runs
+        # native code without the GIL, instead of contending with the step's own Python for it.
+        pending: list[RequestOutputDelta] = []
+
+        def flush() -> None:
+            if pending:
+                self._publish_all(pending)
+                pending.clear()
+
         try:
             while not self._stopped:
+                if not self._commands.empty():
+                    flush()  # a command (abort, stop) must not overtake the tokens before it
                 self._run_commands()
                 for request_id in self.core.expire_leases():
                     self._idle_checked = False
                     logger.info("kv_lease_expired request_id=%s", request_id)
                 if not self.core.has_unfinished():
+                    flush()
                     self._check_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 self._idle_checked = False
-                self._publish_all(self.core.step())
+                deltas = self.core.step(before_forward=flush)
+                pending.extend(deltas)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop failed")
             self.error = e

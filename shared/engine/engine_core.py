@@ -296,11 +296,13 @@ class EngineCore:
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutputDelta]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutputDelta]:
+        """One iteration: schedule, run the model, sample, update. ``before_forward`` runs just before the
+        model's forward, while nothing of this step has changed what callers see."""
         if self.thread_governor is not None:
             self.thread_governor.before_step()
         sched = self.scheduler.schedule()
-        samples = self.runner.execute(sched)
+        samples = self.runner.execute(sched, before_forward)
         embeddings = self.runner.take_embeddings()
         for request_id, (first_position, scored) in self.runner.take_prompt_logprobs().items():
             scored_request = self.scheduler.requests.get(request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,16 +131,26 @@ class ModelRunner:
             self.kv_cache[dst] = self.kv_cache[src]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, list[TokenSample]]:
-        """Run the step; returns, per sampling sequence, one sample per request in ``sample_request_ids``."""
+    def execute(
+        self, sched: SchedulerOutput, before_forward: Callable[[], None] | None = None
+    ) -> dict[str, list[TokenSample]]:
+        """Run the step; returns, per sampling sequence, one sample per request in ``sample_request_ids``.
+
+        ``before_forward`` runs once, just before the model's compute starts (or at once for an empty step).
+        """
         self._copy_blocks(sched.block_copies)
         if sched.is_empty:
+            if before_forward is not None:
+                before_forward()
             return {}
         input_ids, positions, meta = self._prepare(sched)
         if self.graphs is not None and self.graphs.can_run(meta):
+            if before_forward is not None:
+                before_forward()
             hidden = self.graphs.run(input_ids, positions, meta)  # [T, hidden]
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend)  # [T, hidden]
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.attn_backend,
+                                before_compute=before_forward)  # fmt: skip  # [T, hidden]
         self._prompt_logprobs = compute_prompt_logprobs(hidden, sched, self.model.compute_logits)
         self._embeddings = self.pooler.step(hidden, sched)
         rows, params, prompts, outputs, generators, matchers = [], [], [], [], [], []

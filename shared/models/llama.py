@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -254,10 +254,14 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         attn_backend,
+        before_compute: Callable[[], None] | None = None,  # runs once, as late as the compute allows
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         stack = self.cpu_stack(attn_backend)
         if stack is not None and stack.supports(kv_cache, meta):
-            return stack.forward(input_ids, positions, kv_cache, meta)  # the same ops, without module dispatch
+            # The same ops, without module dispatch.
+            return stack.forward(input_ids, positions, kv_cache, meta, before_compute)
+        if before_compute is not None:
+            before_compute()
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
         sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim]

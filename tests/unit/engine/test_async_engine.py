@@ -119,3 +119,50 @@ def test_stop_sample_ends_one_sample_of_a_fork_and_frees_its_blocks(checkpoint_f
         assert not asyncio.run(engine.run(lambda: engine.stop_sample("nothing")))
     finally:
         engine.shutdown()
+
+
+def test_a_steps_tokens_are_published_when_the_next_forward_starts(checkpoint_factory):
+    """Step N's deltas reach their streams just before step N+1's model compute (the event loop then
+    streams them while the forward runs), before any command runs, and when the engine goes idle."""
+    engine = make_engine(checkpoint_factory("llama"))
+    published: list[list[str]] = []  # request ids per publication, in order
+    events: list[str] = []
+    real_publish, real_step = engine._publish_all, engine.core.step
+
+    def publish(deltas):
+        published.append([f"{d.request_id}:{len(d.new_token_ids)}" for d in deltas])
+        events.append("publish")
+        real_publish(deltas)
+
+    def step(before_forward=None):
+        def before():
+            events.append("before_forward")
+            if before_forward is not None:
+                before_forward()
+
+        deltas = real_step(before)
+        events.append(f"step:{len(deltas)}")
+        return deltas
+
+    engine._publish_all = publish
+    engine.core.step = step
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def run():
+        tokens = []
+        async for delta in engine.generate("r0", list(range(5, 12)), params):
+            tokens += delta.new_token_ids
+        return tokens
+
+    try:
+        assert len(asyncio.run(run())) == 4
+        steps = [i for i, e in enumerate(events) if e.startswith("step:")]
+        assert len(steps) == 4
+        for prev, nxt in zip(steps, steps[1:], strict=False):
+            # between a step and the next one's compute: exactly one publication, after before_forward
+            window = events[prev + 1 : nxt]
+            assert window == ["before_forward", "publish"], window
+        assert events[steps[-1] + 1 :] == ["publish"]  # the last step's tokens: when the engine goes idle
+        assert engine.call(lambda: 1).result(timeout=10) == 1
+    finally:
+        engine.shutdown()
