@@ -81,6 +81,18 @@ class AsyncEngine:
             self.error = e
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
+            self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        """After the loop died: every queued command fails at once (its caller would wait forever)."""
+        assert self.error is not None
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(f"the engine loop stopped: {self.error}"))
 
     def _check_idle(self) -> None:
         """Once per idle spell: compare used blocks with what requests, leases and pulls hold."""
@@ -130,6 +142,8 @@ class AsyncEngine:
         fut: Future = Future()
         self._commands.put((fn, fut))
         self._wake.set()
+        if self.error is not None:  # the loop died after the check above: it will never run the command
+            self._fail_commands()
         return fut
 
     def submit(self, fn: Callable[[], Any], what: str) -> None:

@@ -6,9 +6,11 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from shared.config import EngineConfig
 from shared.engine import LLM, SamplingParams
-from shared.engine.async_engine import AsyncEngine
+from shared.engine.async_engine import AsyncEngine, EngineDeadError
 
 
 def make_engine(model_dir) -> AsyncEngine:
@@ -164,5 +166,30 @@ def test_a_steps_tokens_are_published_when_the_next_forward_starts(checkpoint_fa
             assert window == ["before_forward", "publish"], window
         assert events[steps[-1] + 1 :] == ["publish"]  # the last step's tokens: when the engine goes idle
         assert engine.call(lambda: 1).result(timeout=10) == 1
+    finally:
+        engine.shutdown()
+
+
+def test_commands_queued_when_the_loop_dies_fail_instead_of_hanging(checkpoint_factory):
+    engine = make_engine(checkpoint_factory("llama"))
+    in_step, release = threading.Event(), threading.Event()
+
+    def failing_step(before_forward=None):
+        in_step.set()
+        release.wait(10)
+        raise RuntimeError("boom")
+
+    engine.core.step = failing_step
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        request = engine.call(lambda: engine.core.make_request("r0", [5, 6, 7], params)).result(timeout=10)
+        engine.call(lambda: engine.core.scheduler.add_request(request)).result(timeout=10)
+        assert in_step.wait(10)
+        queued = engine.call(lambda: 42)  # waits behind the step that is about to fail
+        release.set()
+        with pytest.raises(EngineDeadError, match="boom"):
+            queued.result(timeout=10)
+        with pytest.raises(EngineDeadError):
+            engine.call(lambda: 1)
     finally:
         engine.shutdown()
