@@ -7,7 +7,8 @@ needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
 one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
 one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
 ``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
-``silu_mul`` the MLP's activation on the fused gate|up output. The shared library is built once per
+``silu_mul`` the MLP's activation on the fused gate|up output; ``llama_forward_f32`` runs them all,
+with the projections, as one call (``shared/models/cpu_stack.py``). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
 source and compiler flags. ``CLEAVE_CPU_KERNEL_LIB`` names a library built
 ahead of time instead (the container image builds one, so it needs no compiler).
