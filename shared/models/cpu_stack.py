@@ -90,18 +90,23 @@ class CpuStack:
             self.native = lib.llama_forward_f32
             self.native.argtypes = [ctypes.POINTER(_ForwardArgs), ctypes.POINTER(_LayerWeights)]
             self.native.restype = ctypes.c_int
-            self.layer_weights = (_LayerWeights * len(layers))(*[
-                _LayerWeights(la.self_attn.qkv_proj.weight.data_ptr(), la.self_attn.o_proj.weight.data_ptr(),
-                              la.mlp.gate_up_proj.weight.data_ptr(), la.mlp.down_proj.weight.data_ptr(),
-                              la.input_layernorm.weight.data_ptr(), la.post_attention_layernorm.weight.data_ptr(),
-                              la.input_layernorm.eps, la.post_attention_layernorm.eps)
-                for la in layers
-            ])  # fmt: skip
-            self.weight_ptrs = self._weight_ptrs()
+            self._point_at_weights()
         logger.info("cpu_stack native_forward=%s", self.native is not None)
 
     def _weight_ptrs(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]
+
+    def _point_at_weights(self) -> None:
+        """The layers' weight addresses as the native forward reads them (again if a weight moved)."""
+        layers = self.model.decoder_layers()
+        self.layer_weights = (_LayerWeights * len(layers))(*[
+            _LayerWeights(la.self_attn.qkv_proj.weight.data_ptr(), la.self_attn.o_proj.weight.data_ptr(),
+                          la.mlp.gate_up_proj.weight.data_ptr(), la.mlp.down_proj.weight.data_ptr(),
+                          la.input_layernorm.weight.data_ptr(), la.post_attention_layernorm.weight.data_ptr(),
+                          la.input_layernorm.eps, la.post_attention_layernorm.eps)
+            for la in layers
+        ])  # fmt: skip
+        self.weight_ptrs = self._weight_ptrs()
 
     @staticmethod
     def applies(model: LlamaModel, attn_backend) -> bool:
@@ -229,8 +234,8 @@ class CpuStack:
         meta: AttentionMetadata, before_compute: Callable[[], None] | None,
     ) -> torch.Tensor | None:  # fmt: skip
         """The whole stack in ``llama_forward_f32``; None if its attention kernel declined."""
-        if self._weight_ptrs() != self.weight_ptrs:
-            raise RuntimeError("the model's weights moved after the CPU stack was built")
+        if self._weight_ptrs() != self.weight_ptrs:  # a parameter was replaced since the last step
+            self._point_at_weights()
         num_tokens = hidden.shape[0]
         model = self.model
         slot_mapping = meta.slot_mapping.to(torch.int64).contiguous()

@@ -66,3 +66,21 @@ def test_stack_declines_what_the_fused_path_does_not_do(checkpoint_factory, arch
 def test_bfloat16_keeps_the_module_path(checkpoint_factory):
     model, _ = load_model(checkpoint_factory("llama"), dtype="bfloat16")
     assert model.cpu_stack(TorchAttentionBackend()) is None
+
+
+def test_native_forward_follows_a_replaced_weight(checkpoint_factory):
+    """A parameter given new storage after the stack was built is read from its new place."""
+    model_dir = checkpoint_factory("llama")
+    model, _ = load_model(model_dir, dtype="float32")
+    stack = model.cpu_stack(TorchAttentionBackend())
+    if stack is None or stack.native is None:
+        pytest.skip("no native forward here")
+    reference, _ = load_model(model_dir, dtype="float32")
+    _run(model, "native")  # built and used once
+    for m in (model, reference):
+        down = m.decoder_layers()[0].mlp.down_proj
+        down.weight = torch.nn.Parameter(down.weight.detach() * 2)  # new storage
+    fast, fast_cache = _run(model, "native")
+    slow, slow_cache = _run(reference, "modules")
+    assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
+    assert torch.equal(fast_cache, slow_cache)
