@@ -11,6 +11,7 @@ import socket
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -19,10 +20,10 @@ from opentelemetry.context import Context
 from services.common.background import BackgroundTasks
 from services.common.draining import Drain
 from services.common.http_endpoints import start_metrics_server
-from services.common.metrics import WorkerMetrics
+from services.common.metrics import RequestTracker, WorkerMetrics
 from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
-from shared.engine.async_engine import AsyncEngine
+from shared.engine.async_engine import AsyncEngine, NewRequest
 from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -193,13 +194,23 @@ class WorkerBase:
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def stream(self, req: Request, admit=None) -> AsyncGenerator[RequestOutputDelta, None]:
+    async def stream(self, req: Request | NewRequest, admit=None) -> AsyncGenerator[RequestOutputDelta, None]:
         """``engine.stream`` with the request's latency metrics observed on the way."""
-        tracker = self.metrics.tracker(req)
+        trackers: list[RequestTracker] = []
+        if isinstance(req, NewRequest):  # made on the engine thread: its tracker starts there
+
+            def prepare(made: Request, inner=req.prepare) -> None:
+                if inner is not None:
+                    inner(made)
+                trackers.append(self.metrics.tracker(made))
+
+            req = replace(req, prepare=prepare)
+        else:
+            trackers.append(self.metrics.tracker(req))
         # aclosing: leaving early closes the engine stream at once, which aborts the request.
         async with aclosing(self.engine.stream(req, admit)) as deltas:
             async for delta in deltas:
-                tracker.on_delta(delta)
+                trackers[0].on_delta(delta)
                 yield delta
 
     def parent_context(self, context) -> Context:

@@ -24,6 +24,7 @@ from services.kv_transfer.connector import KVTransferError
 from services.kv_transfer.engine_transport import ConnectorTransport
 from services.kv_transfer.handshake import PROTOCOL_VERSION, KVCompatibilityError
 from shared.cli import env_default
+from shared.engine.async_engine import NewRequest
 from shared.engine.kv_connector import KVConnectorWorker, KVLoad, LoadResult, RemoteKV
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError
@@ -117,22 +118,31 @@ class DecodeWorker(WorkerBase):
 
     async def _generate(self, request: pb.GenerateRequest, context, span: Span):
         core = self.engine.core
+        # A plain request (no KV to pull, nothing generated elsewhere) is made and queued in one engine
+        # command; the others are made first, then resumed or given their pulled blocks.
+        plain = not request.generated_token_ids and not request.HasField("kv_handle")
+        made: list[Request] = []
+        req: Request | None = None
         try:
             params = sampling_from_proto(request.sampling)
             await self.compile_constraint(params)
-            req = await self.engine.run(
-                lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
-            )
+            if not plain:
+                req = await self.engine.run(
+                    lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
+                )
             if request.generated_token_ids:
                 if request.HasField("kv_handle"):
                     raise InvalidRequestError("generated_token_ids and kv_handle exclude each other")
-                await self.engine.run(lambda: core.resume(req, list(request.generated_token_ids)))
+                resumed = req
+                assert resumed is not None
+                await self.engine.run(lambda: core.resume(resumed, list(request.generated_token_ids)))
         except InvalidRequestError as e:
             await self.invalid(context, e)
         admit, transfer = None, {}
         if request.HasField("kv_handle") and params.use_beam_search:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "beam search runs whole here; send no KV handle")
         if request.HasField("kv_handle"):
+            assert req is not None  # not plain: made above
             with self.tracing.span("kv_transfer", trace.set_span_in_context(span)) as kv_span:
                 admit, transfer = await self._remote_prefill(req, request, context)
                 self._describe_transfer(kv_span, request.kv_handle, transfer)
@@ -140,8 +150,10 @@ class DecodeWorker(WorkerBase):
                 matcher = None if params.constraint is None else core.grammar_backend().matcher(params.constraint)
                 admit = resample_first_token(req, admit, core.config.block_size, matcher)
         first = True
+        source = req if req is not None else NewRequest(request.request_id, list(request.prompt_token_ids), params,
+                                                        made.append)  # fmt: skip
         try:
-            async with aclosing(self.stream(req, admit)) as deltas:
+            async with aclosing(self.stream(source, admit)) as deltas:
                 async for delta in deltas:
                     msg = pb.GenerateResponse(
                         tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",
@@ -154,11 +166,16 @@ class DecodeWorker(WorkerBase):
                         for key, value in transfer.items():
                             setattr(msg, key, value)
                     yield msg
+        except InvalidRequestError as e:  # a plain request that make_request refused
+            await self.invalid(context, e)
         finally:
-            span.set_attribute("cleave.preemptions", req.num_preemptions)
-            if admit is not None:
+            made_req = req if req is not None else (made[0] if made else None)
+            if made_req is not None:
+                span.set_attribute("cleave.preemptions", made_req.num_preemptions)
+            if admit is not None and made_req is not None:
                 # Pulled blocks of a request cancelled before it joined the batch belong to no one else.
-                self.engine.submit(lambda: core.kv_connector.free_unjoined(req), "free_unjoined")
+                pulled = made_req
+                self.engine.submit(lambda: core.kv_connector.free_unjoined(pulled), "free_unjoined")
 
     def _describe_transfer(self, span: Span, handle: pb.KVHandle, transfer: dict) -> None:
         if not span.is_recording():

@@ -16,7 +16,8 @@ from services.common.worker import WorkerBase, build_parser
 from services.common.worker import main as worker_main
 from services.kv_transfer.handshake import PROTOCOL_VERSION
 from shared.cli import env_default
-from shared.engine.request import RequestStatus
+from shared.engine.async_engine import NewRequest
+from shared.engine.request import Request, RequestStatus
 from shared.engine.sampling_params import InvalidRequestError
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
@@ -52,16 +53,23 @@ class PrefillWorker(WorkerBase):
             await self.compile_constraint(params)
             if params.n != 1:
                 raise InvalidRequestError("prefill handles n=1 requests; fan out n>1 before")
-            req = await self.engine.run(
-                lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
-            )
         except InvalidRequestError as e:
             await self.invalid(context, e)
-        req.prefill_only = True
-        req.kv_lease_seconds = self.args.kv_lease_seconds
+        made: list[Request] = []
+
+        def prepare(r: Request) -> None:  # on the engine thread, before the request is queued
+            r.prefill_only = True
+            r.kv_lease_seconds = self.args.kv_lease_seconds
+            made.append(r)
+
         last = None
-        async for delta in self.stream(req):
-            last = delta
+        try:  # made and queued in one engine command
+            async for delta in self.stream(NewRequest(request.request_id, list(request.prompt_token_ids), params,
+                                                      prepare)):  # fmt: skip
+                last = delta
+        except InvalidRequestError as e:
+            await self.invalid(context, e)
+        [req] = made
         assert last is not None and last.finished
         if span.is_recording():
             queued = (req.scheduled_time or req.arrival_time) - req.arrival_time

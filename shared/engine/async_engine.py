@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from shared.config import EngineConfig
@@ -30,6 +31,17 @@ class EngineDeadError(RuntimeError):
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
     for q, delta in items:
         q.put_nowait(delta)
+
+
+@dataclass
+class NewRequest:
+    """A request to make on the engine thread in the same command that admits it: one round trip to
+    the engine loop (which runs commands only between steps) instead of two."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prepare: Callable[[Request], None] | None = None  # on the engine thread, between making and admitting
 
 
 class AsyncEngine:
@@ -162,17 +174,36 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.call(fn))
 
     async def stream(
-        self, request: Request, admit: Callable[[Request], None] | None = None
+        self, request: Request | NewRequest, admit: Callable[[Request], None] | None = None
     ) -> AsyncGenerator[RequestOutputDelta, None]:
-        """Admit ``request`` (default: queue it) and yield its deltas until it finishes.
+        """Admit ``request`` (default: queue it) and yield its deltas until it finishes. A
+        ``NewRequest`` is made in the admitting command; its ``make_request`` errors (InvalidRequestError)
+        are raised here, before any delta.
 
         Leaving the iterator early (client gone, stop string) aborts the request.
         """
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (asyncio.get_running_loop(), q)
-        num_open = request.sampling_params.n
+        loop = asyncio.get_running_loop()
+        request_id = request.request_id
+        num_open = request.params.n if isinstance(request, NewRequest) else request.sampling_params.n
+
+        def admit_now() -> None:
+            made = request
+            if isinstance(request, NewRequest):  # its id is checked here: registered only once it is ours
+                made = self.core.make_request(request.request_id, request.prompt_token_ids, request.params)
+                if request.prepare is not None:
+                    request.prepare(made)
+            assert isinstance(made, Request)
+            # Registered on the engine thread before the request can produce a delta (steps run after this).
+            self._streams[request_id] = (loop, q)
+            (admit or self.core.scheduler.add_request)(made)
+
         try:
-            await self.run(lambda: (admit or self.core.scheduler.add_request)(request))
+            try:
+                await self.run(admit_now)
+            except Exception:
+                num_open = 0  # never admitted: nothing to abort (the id may be another request's)
+                raise
             while num_open:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -181,9 +212,11 @@ class AsyncEngine:
                     num_open -= 1
                 yield item
         finally:
-            self._streams.pop(request.request_id, None)
+            if self._streams.get(request_id, (None, q))[1] is q:
+                self._streams.pop(request_id, None)
             if num_open:
-                ids = [request.request_id] + [f"{request.request_id}/{i}" for i in range(1, request.sampling_params.n)]
+                n = request.params.n if isinstance(request, NewRequest) else request.sampling_params.n
+                ids = [request_id] + [f"{request_id}/{i}" for i in range(1, n)]
                 self.submit(lambda: [self.core.abort(i) for i in ids], "abort")
 
     def stop_sample(self, request_id: str) -> bool:
@@ -216,8 +249,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutputDelta]:
-        request = await self.run(lambda: self.core.make_request(request_id, prompt_token_ids, params))
-        async for delta in self.stream(request):
+        async for delta in self.stream(NewRequest(request_id, prompt_token_ids, params)):
             yield delta
 
     def shutdown(self) -> None:

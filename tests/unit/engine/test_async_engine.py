@@ -11,6 +11,7 @@ import pytest
 from shared.config import EngineConfig
 from shared.engine import LLM, SamplingParams
 from shared.engine.async_engine import AsyncEngine, EngineDeadError
+from shared.engine.sampling_params import InvalidRequestError
 
 
 def make_engine(model_dir) -> AsyncEngine:
@@ -191,5 +192,39 @@ def test_commands_queued_when_the_loop_dies_fail_instead_of_hanging(checkpoint_f
             queued.result(timeout=10)
         with pytest.raises(EngineDeadError):
             engine.call(lambda: 1)
+    finally:
+        engine.shutdown()
+
+
+def test_a_new_request_is_made_and_queued_in_one_command_and_a_duplicate_id_leaves_the_first_alone(
+    checkpoint_factory,
+):
+    engine = make_engine(checkpoint_factory("llama"))
+    commands = []
+    real_call = engine.call
+
+    def counting_call(fn):
+        commands.append(fn)
+        return real_call(fn)
+
+    engine.call = counting_call
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def first():
+        tokens = []
+        async for delta in engine.generate("dup", [5, 6, 7, 8], params):
+            tokens += delta.new_token_ids
+            if len(tokens) == 2:
+                with pytest.raises(InvalidRequestError, match="already in use"):
+                    async for _ in engine.generate("dup", [9, 10], params):
+                        pass
+        return tokens
+
+    try:
+        n_before = len(commands)
+        assert len(asyncio.run(first())) == 12  # the duplicate neither stole nor aborted its stream
+        # one command to admit each request (the first and the refused duplicate), nothing else
+        assert len(commands) - n_before == 2
+        assert engine.core.stats().num_free_blocks == engine.core.num_blocks
     finally:
         engine.shutdown()
