@@ -187,10 +187,13 @@ class AsyncEngine:
         request_id = request.request_id
         num_open = request.params.n if isinstance(request, NewRequest) else request.sampling_params.n
 
+        made_here = [not isinstance(request, NewRequest)]  # whether the request exists (else: no abort)
+
         def admit_now() -> None:
             made = request
             if isinstance(request, NewRequest):  # its id is checked here: registered only once it is ours
                 made = self.core.make_request(request.request_id, request.prompt_token_ids, request.params)
+                made_here[0] = True
                 if request.prepare is not None:
                     request.prepare(made)
             assert isinstance(made, Request)
@@ -202,7 +205,8 @@ class AsyncEngine:
             try:
                 await self.run(admit_now)
             except Exception:
-                num_open = 0  # never admitted: nothing to abort (the id may be another request's)
+                if not made_here[0]:
+                    num_open = 0  # never made: nothing to abort (the id may be another request's)
                 raise
             while num_open:
                 item = await q.get()
