@@ -185,8 +185,8 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         request_id = request.request_id
-        num_open = request.params.n if isinstance(request, NewRequest) else request.sampling_params.n
-
+        n = request.params.n if isinstance(request, NewRequest) else request.sampling_params.n
+        num_open = n
         made_here = [not isinstance(request, NewRequest)]  # whether the request exists (else: no abort)
 
         def admit_now() -> None:
@@ -219,7 +219,6 @@ class AsyncEngine:
             if self._streams.get(request_id, (None, q))[1] is q:
                 self._streams.pop(request_id, None)
             if num_open:
-                n = request.params.n if isinstance(request, NewRequest) else request.sampling_params.n
                 ids = [request_id] + [f"{request_id}/{i}" for i in range(1, n)]
                 self.submit(lambda: [self.core.abort(i) for i in ids], "abort")
 

@@ -258,8 +258,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         stack = self.cpu_stack(attn_backend)
         if stack is not None and stack.supports(kv_cache, meta):
-            # The same ops, without module dispatch.
-            return stack.forward(input_ids, positions, kv_cache, meta, before_compute)
+            # The same ops as one native call; None if an attention kernel declined (out of scratch memory).
+            hidden_out = stack.forward(input_ids, positions, kv_cache, meta, before_compute)
+            if hidden_out is not None:
+                return hidden_out
+            before_compute = None  # it ran
         if before_compute is not None:
             before_compute()
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
@@ -278,14 +281,12 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
     def cpu_stack(self, attn_backend) -> CpuStack | None:
-        """The float32 CPU forward without module dispatch (``CpuStack``), where it applies; built once
-        per backend type (its checks see the loaded weights). ``CLEAVE_CPU_STACK=0`` turns it off."""
+        """The float32 CPU forward as one native call (``CpuStack``), where it applies; built once per
+        backend type (its checks see the loaded weights). ``CLEAVE_CPU_STACK=0`` turns it off."""
         key = type(attn_backend)
         if key not in self._cpu_stacks:
             enabled = os.environ.get("CLEAVE_CPU_STACK", "1") != "0"
-            lib = cpu_kernels.load()
-            usable = enabled and lib is not None and CpuStack.applies(self, attn_backend)
-            self._cpu_stacks[key] = CpuStack(self, lib) if usable and lib is not None else None
+            self._cpu_stacks[key] = CpuStack.build(self, attn_backend) if enabled else None
         return self._cpu_stacks[key]
 
     def decoder_layers(self) -> list[DecoderLayer]:

@@ -1,5 +1,4 @@
-"""The float32 CPU stack without module dispatch (one native call, or op by op) equals the model's
-own forward bit for bit."""
+"""The float32 CPU stack as one native call equals the model's own module forward bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import torch
 
 from shared.kernels import cpu_kernels
 from shared.kernels.torch_ref import TorchAttentionBackend
+from shared.models.cpu_stack import torch_sgemm
 from shared.models.loader import load_model
 from tests.helpers.paged import PagedSequences
 
@@ -18,11 +18,8 @@ BLOCK_SIZE = 16
 
 def _run(model, path: str) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor]:
     backend = TorchAttentionBackend()
-    stack = model.cpu_stack(backend)
     if path == "modules":
         model._cpu_stacks[type(backend)] = None
-    elif path == "python":
-        stack.native = None  # the stack's op-by-op Python path
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 40)]
     paged = PagedSequences(model, backend, BLOCK_SIZE, max_len=96, num_seqs=3, seed=7)
@@ -39,16 +36,14 @@ def _run(model, path: str) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor]
     "arch,sizes",
     [("llama", {}), ("mistral", {}), ("llama3", {"head_dim": 64, "num_attention_heads": 6, "hidden_size": 384})],
 )
-@pytest.mark.parametrize("path", ["native", "python"])
-def test_stack_matches_the_module_forward_exactly(checkpoint_factory, arch, sizes, path):
+def test_stack_matches_the_module_forward_exactly(checkpoint_factory, arch, sizes):
     model_dir = checkpoint_factory(arch, **sizes)
     fast_model, _ = load_model(model_dir, dtype="float32")
-    stack = fast_model.cpu_stack(TorchAttentionBackend())
-    assert stack is not None
-    if path == "native" and stack.native is None:
+    if torch_sgemm() is None:
         pytest.skip("torch's CPU library exports no sgemm_ here")
+    assert fast_model.cpu_stack(TorchAttentionBackend()) is not None
     slow_model, _ = load_model(model_dir, dtype="float32")
-    fast, fast_cache = _run(fast_model, path)
+    fast, fast_cache = _run(fast_model, "native")
     slow, slow_cache = _run(slow_model, "modules")
     for step_fast, step_slow in zip(fast, slow, strict=True):
         for seq in step_slow:
@@ -72,8 +67,7 @@ def test_native_forward_follows_a_replaced_weight(checkpoint_factory):
     """A parameter given new storage after the stack was built is read from its new place."""
     model_dir = checkpoint_factory("llama")
     model, _ = load_model(model_dir, dtype="float32")
-    stack = model.cpu_stack(TorchAttentionBackend())
-    if stack is None or stack.native is None:
+    if model.cpu_stack(TorchAttentionBackend()) is None:
         pytest.skip("no native forward here")
     reference, _ = load_model(model_dir, dtype="float32")
     _run(model, "native")  # built and used once
