@@ -23,8 +23,10 @@ import pytest
 
 from tests.integration.cluster import ROOT, start_router, start_worker, wait_worker
 
-NUM_STREAMS = 20
-MAX_TOKENS = 160
+# Enough streamed tokens that the victim's drain outlasts the health polls below: the CPU forward of
+# the tiny test model takes well under a millisecond a step, so the streams' own delivery sets the pace.
+NUM_STREAMS = 40
+MAX_TOKENS = 220
 
 
 def _health_status(metrics_port: str) -> int:
@@ -95,7 +97,7 @@ async def _drive(base: str, model: str, victim) -> None:
     deadline = time.monotonic() + 10
     while _health_status(victim.info["metrics_port"]) != 503:
         assert time.monotonic() < deadline, "drained worker still reports healthy"
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
     # The router marks it unhealthy within a health poll (0.5 s here), while its streams still run.
     deadline = time.monotonic() + 10
     while _router_sees_healthy(base, victim.info["grpc"]):
