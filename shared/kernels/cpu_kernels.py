@@ -7,7 +7,9 @@ needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
 one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
 one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
 ``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
-``silu_mul`` the MLP's activation on the fused gate|up output; ``llama_forward_f32`` runs them all,
+``silu_mul`` the MLP's activation on the fused gate|up output; ``linear`` is the float32 projection
+(AVX-512; faster than torch's BLAS at these shapes on the CPUs measured, AMD's most of all, and a row's
+result does not depend on the batch around it); ``llama_forward_f32`` runs them all,
 with the projections, as one call (``shared/models/cpu_stack.py``). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
 source and compiler flags. ``CLEAVE_CPU_KERNEL_LIB`` names a library built
@@ -135,6 +137,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm_f32.restype = None
     lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32]
     lib.silu_mul_f32.restype = None
+    if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
+        lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
+        lib.linear_f32.restype = None
+        lib.linear_f32_available.argtypes = []
+        lib.linear_f32_available.restype = ctypes.c_int
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -277,6 +284,42 @@ def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor | None:  # [rows,
     assert lib is not None
     out = torch.empty(gate_up.shape[0], size, dtype=gate_up.dtype)
     lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
+    return out
+
+
+def native_linear() -> bool:
+    """Whether float32 CPU projections run on this library's ``linear_f32`` (built with AVX-512)
+    instead of torch's BLAS; ``CLEAVE_CPU_GEMM=blas`` keeps the BLAS. Checked once per process."""
+    global _native_linear
+    if _native_linear is None:
+        lib = load()
+        _native_linear = (
+            lib is not None
+            and os.environ.get("CLEAVE_CPU_GEMM", "native") != "blas"
+            and hasattr(lib, "linear_f32")
+            and lib.linear_f32_available() == 1
+        )
+    return _native_linear
+
+
+_native_linear: bool | None = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``x @ weight.T`` for float32 CPU ``x`` [..., K] and ``weight`` [N, K] on the native kernel, whose
+    result for a row does not depend on the other rows; None where it does not apply."""
+    if not (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and x.shape[-1] == weight.shape[1] and native_linear()):  # fmt: skip
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    lib = load()
+    assert lib is not None
+    lib.linear_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+                   rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
     return out
 
 

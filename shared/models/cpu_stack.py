@@ -5,8 +5,9 @@ layer an add-and-norm, the q|k|v projection, RoPE in place, the KV write,
 paged attention, the output projection, another add-and-norm, gate|up, SiLU × up
 and the down projection. ``CpuStack`` runs the same native kernels in the same
 order on the same inputs in one call (``csrc/llama_forward.c``), the projections
-through the BLAS ``sgemm_`` that torch's CPU ``F.linear`` calls, with the same
-arguments, so its output is bit-identical. What it drops is the Python around
+on the same kernel as the Python path's (``cpu_kernels.linear`` where it runs,
+else the BLAS ``sgemm_`` that torch's CPU ``F.linear`` calls, with the same
+arguments), so its output is bit-identical. What it drops is the Python around
 the ops (module calls, per-call layout checks, per-layer metadata conversions:
 a fixed cost of every step, a third of a small decode step), and it holds no
 interpreter lock while it computes, so the worker's event loop streams tokens on
@@ -63,7 +64,7 @@ def torch_sgemm() -> int | None:
 
 
 class CpuStack:
-    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, sgemm: int) -> None:
+    def __init__(self, model: LlamaModel, lib: ctypes.CDLL, sgemm: int | None) -> None:
         self.model, self.sgemm = model, sgemm
         config = model.config
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -82,8 +83,9 @@ class CpuStack:
     @staticmethod
     def build(model: LlamaModel, attn_backend) -> CpuStack | None:
         """The stack for ``model`` where it applies: float32 weights on the CPU, the native kernels
-        built (with ``llama_forward_f32``: an older prebuilt library may lack it), torch's ``sgemm_``
-        found, and nothing the fused path does not do."""
+        built (with ``llama_forward_f32``: an older prebuilt library may lack it), the projections'
+        kernel found (``cpu_kernels.linear``, else torch's ``sgemm_``), and nothing the fused path
+        does not do."""
         config = model.config
         layers = model.decoder_layers()
         lib = cpu_kernels.load()
@@ -102,10 +104,12 @@ class CpuStack:
             )
             and all(p.is_contiguous() for p in model.parameters())
         )
-        sgemm = torch_sgemm() if applies else None
-        if lib is None or sgemm is None:
+        if not applies or lib is None:
             return None
-        return CpuStack(model, lib, sgemm)
+        if cpu_kernels.native_linear():
+            return CpuStack(model, lib, None)  # NULL sgemm: the library's own linear_f32
+        sgemm = torch_sgemm()
+        return None if sgemm is None else CpuStack(model, lib, sgemm)
 
     def _weight_ptrs(self) -> list[int]:
         return [p.data_ptr() for p in self.model.parameters()]

@@ -98,6 +98,13 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         pass
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 on the CPU: the native kernel (batch-invariant rows; the one-call forward uses it too)
+        out = cpu_kernels.linear(x, self.weight)
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        return out if self.bias is None else out.add_(self.bias)
+
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` left uninitialised, as ``Linear``."""
@@ -294,7 +301,8 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = cpu_kernels.linear(hidden, weight)
+        return (F.linear(hidden, weight) if logits is None else logits).float()
 
     def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face tensor name, destination view) for every weight the checkpoint must provide.

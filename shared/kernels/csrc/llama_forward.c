@@ -2,8 +2,9 @@
  * The decoder stack's float32 CPU forward as one call: per layer the add-and-norm, the q|k|v
  * projection, RoPE, the KV write, paged attention, the output projection, the second add-and-norm,
  * gate|up, SiLU x up and the down projection, then the final norm. The same kernels as the model's
- * Python path, in the same order; the projections call the BLAS ``sgemm_`` that torch's own
- * ``F.linear`` calls (passed in by the caller), with the same arguments, so results are bit-identical.
+ * Python path, in the same order; the projections run on gemm.c's kernel, as the Python path's do, or
+ * (where the caller passes it) on the BLAS ``sgemm_`` that torch's own ``F.linear`` calls, with the same
+ * arguments, so results are bit-identical either way.
  *
  * Being one call, it holds no interpreter lock while it runs: the worker's event loop streams the
  * previous step's tokens on the other core meanwhile instead of waiting for the step's Python.
@@ -41,7 +42,7 @@ typedef struct {
 } LayerWeights;
 
 typedef struct {
-    sgemm_fn sgemm;
+    sgemm_fn sgemm; /* NULL: gemm.c's linear_f32 */
     int num_tokens, hidden, q_size, kv_size, intermediate, num_heads, num_kv_heads, head_dim, num_layers;
     int block_size, num_seqs, max_seq_len, is_decode;
     float scale, final_eps;
@@ -57,8 +58,15 @@ typedef struct {
     float *scratch;         /* see llama_forward_scratch_floats */
 } ForwardArgs;
 
-/* y[M, N] = x[M, K] . w[N, K]^T, called as torch's CPU linear calls BLAS (column-major, w transposed). */
+void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k);
+
+/* y[M, N] = x[M, K] . w[N, K]^T: on gemm.c's kernel where no BLAS is given (as the model's Python path
+ * then does), else called as torch's CPU linear calls BLAS (column-major, w transposed). */
 static void linear(sgemm_fn sgemm, const float *x, const float *w, float *y, int m, int n, int k) {
+    if (sgemm == NULL) {
+        linear_f32(x, k, w, y, n, m, n, k);
+        return;
+    }
     const char transa = 't', transb = 'n';
     const float alpha = 1.f, beta = 0.f;
     sgemm(&transa, &transb, &n, &m, &k, &alpha, w, &k, x, &k, &beta, y, &n);

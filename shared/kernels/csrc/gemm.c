@@ -1,0 +1,119 @@
+/*
+ * A linear layer's product, y[M, N] = x[M, K] . w[N, K]^T in float32, on the weights as the model
+ * holds them (no packed copy). Tiles of R rows x C columns with R * C = 16 (4 x 4, 2 x 8, 1 x 16):
+ * per 16 values of k, R rows of x and C rows of w are loaded once and give 16 lane-wise FMAs, and a
+ * tile's 16 partial-sum vectors are reduced together in one add tree.
+ *
+ * Every output is the same sequence of operations whatever M, N, the tile shape or the thread that
+ * computes it: 16 lanes accumulate k = lane, lane + 16, ... in order, then one fixed tree adds the
+ * lanes. A row's result therefore does not depend on the other rows of the batch (a request's
+ * tokens do not change with who else is in the step), and the model's Python path and its one-call
+ * forward (llama_forward.c), which both come here, agree bit for bit.
+ */
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define COLUMN_BLOCK 64 /* columns of w a thread keeps in its caches while it walks down the rows of x */
+
+/* Lane t of the result: the sum of p[t]'s lanes (the same tree for every t). */
+static inline __m512 lane_sums(const __m512 p[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* y[r][c] for r < rows <= R, c < cols <= C; missing rows and columns repeat the last real one (their
+ * results are not stored), so every tile runs the same instructions. */
+static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t ldx,
+                                                       const float *w, int64_t ldw, float *y, int64_t ldy,
+                                                       int rows, int cols, int k) {
+    const float *xr[4], *wc[16];
+    for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
+    for (int c = 0; c < C; c++) wc[c] = w + (int64_t)(c < cols ? c : cols - 1) * ldw;
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    int kk = 0;
+    for (; kk + 16 <= k; kk += 16) {
+        __m512 xv[4], wv[16];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(xr[r] + kk);
+        for (int c = 0; c < C; c++) wv[c] = _mm512_loadu_ps(wc[c] + kk);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
+    }
+    if (kk < k) { /* the last k % 16 values; the lanes past k add exact zeros */
+        const __mmask16 m = (__mmask16)((1u << (k - kk)) - 1u);
+        __m512 xv[4], wv[16];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_ps(m, xr[r] + kk);
+        for (int c = 0; c < C; c++) wv[c] = _mm512_maskz_loadu_ps(m, wc[c] + kk);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
+    }
+    const __m512 s = lane_sums(acc); /* lane r * C + c is y[r][c] */
+    const __mmask16 row_mask = (__mmask16)((1u << cols) - 1u);
+    for (int r = 0; r < rows; r++) /* lanes r*C .. r*C + cols - 1 land on y[r][0 .. cols) */
+        _mm512_mask_storeu_ps(y + (int64_t)r * ldy - r * C, (__mmask16)(row_mask << (r * C)), s);
+}
+
+static void tile_4x4(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                     int cols, int k) {
+    tile(4, 4, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+static void tile_2x8(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                     int cols, int k) {
+    tile(2, 8, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+static void tile_1x16(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                      int cols, int k) {
+    tile(1, 16, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+
+/* Columns [n0, n0 + nc) of y for every row: 4-row tiles, then a 2-row and a 1-row tile for the rest. */
+static void column_block(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n0, int nc,
+                         int k) {
+    int r0 = 0;
+    for (; r0 + 4 <= m; r0 += 4)
+        for (int c0 = 0; c0 < nc; c0 += 4)
+            tile_4x4(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
+                     ldy, 4, nc - c0 < 4 ? nc - c0 : 4, k);
+    for (; r0 + 2 <= m; r0 += 2)
+        for (int c0 = 0; c0 < nc; c0 += 8)
+            tile_2x8(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
+                     ldy, 2, nc - c0 < 8 ? nc - c0 : 8, k);
+    if (r0 < m)
+        for (int c0 = 0; c0 < nc; c0 += 16)
+            tile_1x16(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
+                      ldy, 1, nc - c0 < 16 ? nc - c0 : 16, k);
+}
+
+int linear_f32_available(void) { return 1; }
+
+/* y (row stride ldy) = x (row stride ldx) . w^T, w [n, k] contiguous. Threads split the columns. */
+void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
+    if (m <= 0 || n <= 0) return;
+    const int blocks = (n + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+#pragma omp parallel for schedule(static) if ((int64_t)m * n * k >= 65536)
+    for (int b = 0; b < blocks; b++) {
+        const int n0 = b * COLUMN_BLOCK, nc = n - n0 < COLUMN_BLOCK ? n - n0 : COLUMN_BLOCK;
+        column_block(x, ldx, w, y, ldy, m, n0, nc, k);
+    }
+}
+
+#else /* no AVX-512: callers keep torch's BLAS */
+
+int linear_f32_available(void) { return 0; }
+
+void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
+    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+}
+
+#endif
