@@ -50,17 +50,20 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 5) -> fl
 
 @torch.inference_mode()
 def linear_bound_ms(model, batch: int, steps: int) -> float:
-    """Milliseconds per step of the model's linear layers alone on ``batch`` decode rows."""
-    weights = []  # [out_features, in_features] each, in forward order
+    """Milliseconds per step of the model's linear layers alone on ``batch`` decode rows, on the kernel
+    the model's own forward uses for them (the native projection on the CPU where it runs)."""
+    projections = []  # (the module or function the model calls, its weight), in forward order
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
-        weights += [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
-    weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+        projections += [(p, p.weight) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    projections.append((model.compute_logits, head))
+    weights = [w for _, w in projections]
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
 
     def run() -> None:
-        for x, w in zip(inputs, weights, strict=True):
-            torch.nn.functional.linear(x, w)
+        for x, (project, _) in zip(inputs, projections, strict=True):
+            project(x)
 
     run()
     _sync(weights[0].device)
