@@ -78,19 +78,25 @@ def measure(core: EngineCore, batch: int, context_len: int, steps: int, seed: in
     rng = random.Random(seed)
     vocab = core.model_config.vocab_size
     ids = [f"bench-{batch}-{i}" for i in range(batch)]
+    # The first requests decode while the later ones prefill: they must not finish before the timed steps.
+    prefill_steps = -(-batch * context_len // core.max_num_batched_tokens) + batch
+    max_tokens = min(steps + 8 + prefill_steps, core.max_model_len - context_len)
     for rid in ids:
         prompt = [rng.randrange(vocab) for _ in range(context_len)]
-        core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
+        core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
         core.step()
     for _ in range(2):  # warm up the pure-decode path
         core.step()
     _sync(core.device)
+    decoding = len(core.scheduler.running)
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()
     _sync(core.device)
     step_s = (time.perf_counter() - t0) / steps
+    if decoding != batch or len(core.scheduler.running) != batch:
+        raise SystemExit(f"batch {batch}: {decoding} requests decoding, not {batch} (KV cache too small?)")
     live_tokens = sum(r.num_tokens for r in core.scheduler.running) - batch * steps // 2  # mid-run average
     for rid in ids:
         core.abort(rid)

@@ -39,7 +39,7 @@ static inline void prefetch_rows(const float *base, int64_t row_stride, int rows
 }
 
 /* Row sums of 16 partial-sum vectors: lane t of the result is the sum of p[t]'s lanes. */
-static inline __m512 sum16(__m512 p[16]) {
+static inline __attribute__((always_inline)) __m512 sum16(__m512 p[16]) {
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) /* per 128-bit lane: [x, y, x, y], partial over pairs */
         a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
@@ -57,6 +57,22 @@ static inline __m512 sum16(__m512 p[16]) {
 static inline void score_keys(const float *q, const float *k, int64_t row_stride, int n, int group, int head_dim,
                               float scale, float *scores, int64_t seq_len, int t0) {
     const int nd = head_dim / 16;
+    if (n == 16) { /* a full run of keys: 16 independent FMA chains, each K vector used from L1 per head */
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + (int64_t)g * head_dim;
+            __m512 p[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) p[t] = _mm512_setzero_ps();
+            for (int c = 0; c < nd; c++) {
+                const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
+#pragma GCC unroll 16
+                for (int t = 0; t < 16; t++)
+                    p[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (int64_t)t * row_stride + 16 * c), p[t]);
+            }
+            _mm512_storeu_ps(scores + (int64_t)g * seq_len + t0, _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale)));
+        }
+        return;
+    }
     for (int g = 0; g < group; g++) {
         const float *qg = q + (int64_t)g * head_dim;
         __m512 p[16];
@@ -96,8 +112,10 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
                 const float *w = scores + (int64_t)g0 * seq_len + b * block_size;
                 for (int i = 0; i < n; i++) {
                     const float *v = base + (int64_t)i * row_stride;
-                    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-                    const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+                    __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+                    __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+                    /* In registers: loaded once, not again as a memory operand of every head's FMA. */
+                    __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
 #define CLEAVE_PV(g)                                                           \
     if (g < ng) {                                                              \
         const __m512 wg = _mm512_set1_ps(w[(int64_t)(g) * seq_len + i]);       \
