@@ -19,6 +19,7 @@ from opentelemetry.context import Context
 
 from services.common.background import BackgroundTasks
 from services.common.draining import Drain
+from services.common.heap import freeze_startup_heap
 from services.common.http_endpoints import start_metrics_server
 from services.common.metrics import RequestTracker, WorkerMetrics
 from shared import flags
@@ -297,5 +298,6 @@ def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[s
     args = flags.parse_args(parser, argv)
     configure_logging(args.log_level, args.log_format)
     worker = worker_cls(args)
+    freeze_startup_heap()  # the model and its modules are never walked by a collection again
     asyncio.run(serve(worker, add_servicer))
     return 0

@@ -7,6 +7,7 @@ import sys
 
 import uvicorn
 
+from services.common.heap import freeze_startup_heap
 from services.router.app import create_app
 from services.router.settings import parse_settings
 from shared.logs import configure_logging
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, TokenizerLoadError) as e:
         print(f"router: cannot load the model: {e}", file=sys.stderr)
         return 2
+    freeze_startup_heap()  # the tokenizer, the app and their modules
     # The app logs one line per request itself; uvicorn's access log would duplicate it.
     # log_config=None: uvicorn's own lines go through the handler configured above (text or json).
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
