@@ -40,12 +40,15 @@ class Child:
     backoff_s: float = MIN_BACKOFF_S
     restart_at: float | None = None  # monotonic time of the pending restart
     info: dict[str, str] = field(default_factory=dict)  # its CLEAVE_READY fields
+    cpus: frozenset[int] | None = None  # the CPUs it may run on (None: the launcher's)
 
 
-def child_setup() -> None:
+def child_setup(cpus: frozenset[int] | None = None) -> None:
     """In the child: its own session (Ctrl-C reaches only the launcher, which stops
-    children in order), and SIGTERM if the launcher dies without cleaning up."""
+    children in order), SIGTERM if the launcher dies without cleaning up, and its CPUs."""
     os.setsid()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -67,8 +70,8 @@ class Supervisor:
         self.stopping = False
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
 
-    def start(self, name: str, module: str, args: list[str]) -> Child:
-        child = Child(name, module, list(args))
+    def start(self, name: str, module: str, args: list[str], cpus: frozenset[int] | None = None) -> Child:
+        child = Child(name, module, list(args), cpus=cpus)
         self.children.append(child)
         self._spawn(child)
         return child
@@ -76,7 +79,7 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(
             [sys.executable, "-m", child.module, *child.args], stdout=subprocess.PIPE, text=True, bufsize=1,
-            preexec_fn=child_setup,
+            preexec_fn=lambda: child_setup(child.cpus),
         )  # fmt: skip
         child.started_at = time.monotonic()
         child.restart_at = None

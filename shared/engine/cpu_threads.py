@@ -73,6 +73,14 @@ def other_runnable_tasks() -> int | None:
     return None if total is None else max(0, total - own_running_threads())
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def enabled() -> bool:
     return os.environ.get("CLEAVE_CPU_THREAD_GOVERNOR", "1") != "0"
 
@@ -89,7 +97,8 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_threads = max(1, max_threads)
-        self.num_cpus = num_cpus or os.cpu_count() or 1
+        self._fixed_cpus = num_cpus
+        self.num_cpus = num_cpus or usable_cpus()
         self._sample = sample
         self._set_threads = set_threads
         self._clock = clock
@@ -113,6 +122,8 @@ class ThreadGovernor:
             return self.threads
         self._samples.append(others)
         others = min(self._samples)
+        if self._fixed_cpus is None:  # the process may be moved to other CPUs (taskset, a cpuset) while it runs
+            self.num_cpus = usable_cpus()
         wanted = self.target(others)
         if wanted != self.threads:
             logger.debug("cpu_threads threads=%d others=%d", wanted, others)

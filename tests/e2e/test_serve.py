@@ -48,6 +48,26 @@ def _assert_registered(lines: list[str], count: int) -> None:
     assert asyncio.run(read()) == count
 
 
+def _assert_cpu_split(children: list[int]) -> None:
+    """By default (no GPU, at least 2 CPUs) the decode worker runs on the upper half of the CPUs, the
+    prefill worker and the router on the lower half."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or os.path.exists("/dev/nvidiactl"):
+        return
+    half = len(cpus) // 2
+    expected = {"services.decode_worker": set(cpus[half:]), "services.prefill_worker": set(cpus[:half]),
+                "services.router": set(cpus[:half])}  # fmt: skip
+    seen = set()
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode()
+        for module, want in expected.items():
+            if f"-m {module} " in cmdline:
+                assert os.sched_getaffinity(pid) == want, (module, os.sched_getaffinity(pid))
+                seen.add(module)
+    assert seen == set(expected)
+
+
 @pytest.mark.parametrize("sig,redis", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_serve_answers_and_stops_all_children(checkpoint_factory, sig, redis):
     if redis and shutil.which("redis-server") is None:
@@ -74,6 +94,7 @@ def test_serve_answers_and_stops_all_children(checkpoint_factory, sig, redis):
         assert len(children) == 3 + redis  # router, prefill worker, decode worker (, redis-server)
         if redis:
             _assert_registered(lines, 2)
+        _assert_cpu_split(children)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         out = client.chat.completions.create(
             model=model_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5

@@ -89,3 +89,14 @@ def test_reads_this_machine():
         busy.kill()
         busy.wait()
     assert os.cpu_count()
+
+
+def test_follows_the_processs_cpu_affinity(monkeypatch):
+    """Moved onto one CPU while running (taskset, a cpuset, ``cleave serve``'s split): one thread."""
+    cpus = {0, 1}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
+    m = FakeMachine()
+    g = ThreadGovernor(2, None, sample=lambda: m.others, set_threads=m.set_calls.append, clock=lambda: m.now)
+    assert m.steps(g, 5) == 2
+    cpus.discard(0)
+    assert m.steps(g, 5) == 1 and m.set_calls == [1]
