@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from shared import flags
-from shared.cli import DEFAULT_MODEL_DIR, env_default
+from shared.cli import DEFAULT_MODEL_DIR, add_engine_args, env_default
 from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 from shared.supervisor import READY_TIMEOUT_S, Supervisor, child_setup
 
@@ -59,7 +59,9 @@ def split_cpus(args: argparse.Namespace, worker_args: list[str]) -> tuple[frozen
     --cpu-split off, aggregated serving (no prefill workers), fewer than 2 CPUs, or workers on a GPU."""
     if args.cpu_split == "off" or args.prefill_workers == 0:
         return None
-    device = worker_args[worker_args.index("--device") + 1] if "--device" in worker_args[:-1] else "auto"
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)  # the workers' own reading of --device (either spelling, or its variable)
+    device = flags.parse_known_args(engine, worker_args)[0].device
     if device.startswith("cuda") or (device == "auto" and os.path.exists("/dev/nvidiactl")):
         return None
     cpus = sorted(os.sched_getaffinity(0))

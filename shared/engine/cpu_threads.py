@@ -97,8 +97,9 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_threads = max(1, max_threads)
-        self._fixed_cpus = num_cpus
-        self.num_cpus = num_cpus or usable_cpus()
+        # Re-read at every sample unless given: the process may be moved (taskset, a cpuset) while it runs.
+        self._cpus: Callable[[], int] = (lambda: num_cpus) if num_cpus else usable_cpus
+        self.num_cpus = self._cpus()
         self._sample = sample
         self._set_threads = set_threads
         self._clock = clock
@@ -122,8 +123,7 @@ class ThreadGovernor:
             return self.threads
         self._samples.append(others)
         others = min(self._samples)
-        if self._fixed_cpus is None:  # the process may be moved to other CPUs (taskset, a cpuset) while it runs
-            self.num_cpus = usable_cpus()
+        self.num_cpus = self._cpus()
         wanted = self.target(others)
         if wanted != self.threads:
             logger.debug("cpu_threads threads=%d others=%d", wanted, others)

@@ -35,6 +35,7 @@ import torch
 logger = logging.getLogger("cleave.kernels")
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
+HEADERS = sorted((Path(__file__).with_name("csrc")).glob("*.h"))  # included by the sources: in the cache key
 # -ffast-math lets the reductions vectorize and exp use glibc's vector variants; the
 # kernel never produces infinities or NaNs (scores start from -FLT_MAX), as it assumes.
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math"]
@@ -65,7 +66,7 @@ def _cpu_fingerprint() -> str:
 
 def _build(compiler: str) -> Path:
     described = " ".join([compiler, *FLAGS, platform.machine(), _cpu_fingerprint()])
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + described.encode()).hexdigest()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS]) + described.encode()).hexdigest()
     target = _cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target

@@ -38,6 +38,7 @@ def test_two_cpus_one_each(monkeypatch):
         ["--prefill-workers", "0"],  # aggregated: one pool does both
         ["--device", "cuda"],
         ["--device", "cuda:1"],
+        ["--device=cuda:1"],
     ],
 )
 def test_off(eight_cpus, argv):

@@ -13,26 +13,31 @@
 #include <stdint.h>
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
 #define COLUMN_BLOCK 64 /* columns of w a thread keeps in its caches while it walks down the rows of x */
 
-/* Lane t of the result: the sum of p[t]'s lanes (the same tree for every t). */
-static inline __attribute__((always_inline)) __m512 lane_sums(const __m512 p[16]) {
-    __m512 a[8], b[4], c[2];
-    #pragma GCC unroll 16
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-    #pragma GCC unroll 16
-    for (int i = 0; i < 4; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    #pragma GCC unroll 16
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+/* acc[r * C + c] += x_r[kk ..] * w_c[kk ..] lane-wise, for the 16 values of k from kk (the lanes outside
+ * ``live`` load zeros and add exact zeros). Each vector is loaded once, into a register: not repeated as
+ * a memory operand of every FMA that uses it. */
+static inline __attribute__((always_inline)) void k_step(const int R, const int C, const float *const *xr,
+                                                         const float *const *wc, int kk, __mmask16 live,
+                                                         __m512 *acc) {
+    __m512 xv[4], wv[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        xv[r] = _mm512_maskz_loadu_ps(live, xr[r] + kk);
+        __asm__("" : "+v"(xv[r]));
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < C; c++) {
+        wv[c] = _mm512_maskz_loadu_ps(live, wc[c] + kk);
+        __asm__("" : "+v"(wv[c]));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
 }
 
 /* y[r][c] for r < rows <= R, c < cols <= C; missing rows and columns repeat the last real one (their
@@ -41,47 +46,19 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
                                                        const float *w, int64_t ldw, float *y, int64_t ldy,
                                                        int rows, int cols, int k) {
     const float *xr[4], *wc[16];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int c = 0; c < C; c++) wc[c] = w + (int64_t)(c < cols ? c : cols - 1) * ldw;
     __m512 acc[16];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     int kk = 0;
-    for (; kk + 16 <= k; kk += 16) {
-        __m512 xv[4], wv[16];
-        /* Each load once, into a register: not repeated as a memory operand of every FMA that uses it. */
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-            xv[r] = _mm512_loadu_ps(xr[r] + kk);
-            __asm__("" : "+v"(xv[r]));
-        }
-        #pragma GCC unroll 16
-        for (int c = 0; c < C; c++) {
-            wv[c] = _mm512_loadu_ps(wc[c] + kk);
-            __asm__("" : "+v"(wv[c]));
-        }
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-            #pragma GCC unroll 16
-            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
-    }
-    if (kk < k) { /* the last k % 16 values; the lanes past k add exact zeros */
-        const __mmask16 m = (__mmask16)((1u << (k - kk)) - 1u);
-        __m512 xv[4], wv[16];
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_ps(m, xr[r] + kk);
-        #pragma GCC unroll 16
-        for (int c = 0; c < C; c++) wv[c] = _mm512_maskz_loadu_ps(m, wc[c] + kk);
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-            #pragma GCC unroll 16
-            for (int c = 0; c < C; c++) acc[r * C + c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
-    }
-    const __m512 s = lane_sums(acc); /* lane r * C + c is y[r][c] */
+    for (; kk + 16 <= k; kk += 16) k_step(R, C, xr, wc, kk, (__mmask16)0xFFFF, acc);
+    if (kk < k) k_step(R, C, xr, wc, kk, (__mmask16)((1u << (k - kk)) - 1u), acc); /* the last k % 16 */
+    const __m512 s = sum16(acc); /* lane r * C + c is y[r][c] */
     const __mmask16 row_mask = (__mmask16)((1u << cols) - 1u);
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < rows; r++) /* lanes r*C .. r*C + cols - 1 land on y[r][0 .. cols) */
         _mm512_mask_storeu_ps(y + (int64_t)r * ldy - r * C, (__mmask16)(row_mask << (r * C)), s);
 }

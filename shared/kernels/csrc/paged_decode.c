@@ -26,7 +26,7 @@ static inline float dot(const float *a, const float *b, int n) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 4 /* blocks: one block's work is shorter than a memory round trip */
@@ -36,21 +36,6 @@ static inline float dot(const float *a, const float *b, int n) {
 static inline void prefetch_rows(const float *base, int64_t row_stride, int rows, int num_floats) {
     for (int i = 0; i < rows; i++)
         for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T0);
-}
-
-/* Row sums of 16 partial-sum vectors: lane t of the result is the sum of p[t]'s lanes. */
-static inline __attribute__((always_inline)) __m512 sum16(__m512 p[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x, y, x, y], partial over pairs */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* per lane: [k0, k1, k2, k3] of four keys, partial over lanes */
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* scores[g][t0 .. t0 + n) = scale * q_g . k_t for n <= 16 keys whose rows start at k (row_stride apart). */
