@@ -143,6 +143,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.linear_f32.restype = None
         lib.linear_f32_available.argtypes = []
         lib.linear_f32_available.restype = ctypes.c_int
+    if hasattr(lib, "pool_count_items"):  # the tests' view of the kernels' parallel loop (csrc/pool.c)
+        lib.pool_count_items.argtypes = [i64, i64, ptr]
+        lib.pool_count_items.restype = None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

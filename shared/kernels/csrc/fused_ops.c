@@ -11,14 +11,20 @@
  * formulation; RMSNorm differs from torch only in the order of its sum of squares.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+
+#include "pool.h"
 
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
 #define LANES 16
-/* Threads only for work worth a fork/join (torch's element-wise grain is similar): a decode
- * step's rows are a few microseconds of work, less than a barrier costs on a busy machine. */
+/* Threads only for work worth waking a helper for (torch's element-wise grain is similar): a
+ * decode step's rows are a few microseconds of work. */
 #define PARALLEL_MIN_ELEMS (1 << 17)
+#define CHUNK_ELEMS (1 << 15)
+
+static int64_t rows_per_chunk(int64_t row_elems) { return row_elems >= CHUNK_ELEMS ? 1 : CHUNK_ELEMS / row_elems; }
 
 static void norm_row(const float *row, const float *weight, float *dst, int size, float eps) {
     float partial[LANES] = {0}; /* independent lanes: vectorizes without reassociating */
@@ -32,22 +38,46 @@ static void norm_row(const float *row, const float *weight, float *dst, int size
     for (int i = 0; i < size; i++) dst[i] = weight[i] * (row[i] * inv);
 }
 
+typedef struct {
+    const float *x, *weight;
+    float *residual, *out;
+    int64_t x_stride, residual_stride, out_stride;
+    int size;
+    float eps;
+} NormArgs;
+
+static void norm_rows(void *p, int64_t r0, int64_t r1) {
+    const NormArgs *a = p;
+    for (int64_t r = r0; r < r1; r++) norm_row(a->x + r * a->x_stride, a->weight, a->out + r * a->out_stride, a->size, a->eps);
+}
+
+static void add_norm_rows(void *p, int64_t r0, int64_t r1) {
+    const NormArgs *a = p;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *src = a->x + r * a->x_stride;
+        float *row = a->residual + r * a->residual_stride;
+        for (int i = 0; i < a->size; i++) row[i] = row[i] + src[i];
+        norm_row(row, a->weight, a->out + r * a->out_stride, a->size, a->eps);
+    }
+}
+
+static void run_rows(pool_range_fn fn, void *args, int num_rows, int64_t row_elems) {
+    if ((int64_t)num_rows * row_elems >= PARALLEL_MIN_ELEMS)
+        pool_for(num_rows, rows_per_chunk(row_elems), fn, args);
+    else
+        fn(args, 0, num_rows);
+}
+
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t out_stride,
                   int num_rows, int size, float eps) {
-#pragma omp parallel for schedule(static) if ((int64_t)num_rows * size >= PARALLEL_MIN_ELEMS)
-    for (int r = 0; r < num_rows; r++)
-        norm_row(x + (int64_t)r * x_stride, weight, out + (int64_t)r * out_stride, size, eps);
+    NormArgs a = {x, weight, NULL, out, x_stride, 0, out_stride, size, eps};
+    run_rows(norm_rows, &a, num_rows, size);
 }
 
 void add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
                       const float *weight, float *out, int64_t out_stride, int num_rows, int size, float eps) {
-#pragma omp parallel for schedule(static) if ((int64_t)num_rows * size >= PARALLEL_MIN_ELEMS)
-    for (int r = 0; r < num_rows; r++) {
-        const float *src = x + (int64_t)r * x_stride;
-        float *row = residual + (int64_t)r * residual_stride;
-        for (int i = 0; i < size; i++) row[i] = row[i] + src[i];
-        norm_row(row, weight, out + (int64_t)r * out_stride, size, eps);
-    }
+    NormArgs a = {x, weight, residual, out, x_stride, residual_stride, out_stride, size, eps};
+    run_rows(add_norm_rows, &a, num_rows, size);
 }
 
 static void rope_head(float *x, const float *cos, const float *sin, int half) {
@@ -62,12 +92,24 @@ static void rope_head(float *x, const float *cos, const float *sin, int half) {
 
 /* qk: [num_tokens, row_stride]; the first num_heads_total heads of a row (q heads, then k heads) rotate.
  * cos/sin: [num_tokens, head_dim], each token's rows of the tables. */
+typedef struct {
+    float *qk;
+    const float *cos_rows, *sin_rows;
+    int64_t row_stride;
+    int num_heads_total, head_dim;
+} RopeArgs;
+
+static void rope_rows(void *p, int64_t t0, int64_t t1) {
+    const RopeArgs *a = p;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *cos = a->cos_rows + t * a->head_dim, *sin = a->sin_rows + t * a->head_dim;
+        float *row = a->qk + t * a->row_stride;
+        for (int h = 0; h < a->num_heads_total; h++) rope_head(row + (int64_t)h * a->head_dim, cos, sin, a->head_dim / 2);
+    }
+}
+
 void rope_f32(float *qk, int64_t row_stride, int num_tokens, int num_heads_total, int head_dim,
               const float *cos_rows, const float *sin_rows) {
-#pragma omp parallel for schedule(static) if ((int64_t)num_tokens * num_heads_total * head_dim >= PARALLEL_MIN_ELEMS)
-    for (int t = 0; t < num_tokens; t++) {
-        const float *cos = cos_rows + (int64_t)t * head_dim, *sin = sin_rows + (int64_t)t * head_dim;
-        float *row = qk + (int64_t)t * row_stride;
-        for (int h = 0; h < num_heads_total; h++) rope_head(row + (int64_t)h * head_dim, cos, sin, head_dim / 2);
-    }
+    RopeArgs a = {qk, cos_rows, sin_rows, row_stride, num_heads_total, head_dim};
+    run_rows(rope_rows, &a, num_tokens, (int64_t)num_heads_total * head_dim);
 }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #if defined(__AVX512F__)
+#include "pool.h"
 #include "simd.h"
 
 #define COLUMN_BLOCK 64 /* columns of w a thread keeps in its caches while it walks down the rows of x */
@@ -96,15 +97,30 @@ static void column_block(const float *x, int64_t ldx, const float *w, float *y, 
 
 int linear_f32_available(void) { return 1; }
 
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t ldx, ldy;
+    int m, n, k;
+} LinearArgs;
+
+static void column_blocks(void *p, int64_t b0, int64_t b1) {
+    const LinearArgs *a = p;
+    for (int64_t b = b0; b < b1; b++) {
+        const int n0 = (int)b * COLUMN_BLOCK, nc = a->n - n0 < COLUMN_BLOCK ? a->n - n0 : COLUMN_BLOCK;
+        column_block(a->x, a->ldx, a->w, a->y, a->ldy, a->m, n0, nc, a->k);
+    }
+}
+
 /* y (row stride ldy) = x (row stride ldx) . w^T, w [n, k] contiguous. Threads split the columns. */
 void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
     if (m <= 0 || n <= 0) return;
     const int blocks = (n + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
-#pragma omp parallel for schedule(static) if ((int64_t)m * n * k >= 65536)
-    for (int b = 0; b < blocks; b++) {
-        const int n0 = b * COLUMN_BLOCK, nc = n - n0 < COLUMN_BLOCK ? n - n0 : COLUMN_BLOCK;
-        column_block(x, ldx, w, y, ldy, m, n0, nc, k);
-    }
+    LinearArgs a = {x, w, y, ldx, ldy, m, n, k};
+    if ((int64_t)m * n * k < 65536)
+        column_blocks(&a, 0, blocks);
+    else
+        pool_for(blocks, 1, column_blocks, &a);
 }
 
 #else /* no AVX-512: callers keep torch's BLAS */

@@ -6,14 +6,32 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pool.h"
+
 #define PARALLEL_MIN_ELEMS (1 << 17)
+#define CHUNK_ELEMS (1 << 15)
+
+typedef struct {
+    const float *gate_up;
+    float *out;
+    int64_t row_stride;
+    int size;
+} SiluArgs;
+
+static void silu_rows(void *p, int64_t t0, int64_t t1) {
+    const SiluArgs *a = p;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *gate = a->gate_up + t * a->row_stride, *up = gate + a->size;
+        float *dst = a->out + t * a->size;
+        for (int i = 0; i < a->size; i++) dst[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    }
+}
 
 /* gate_up: [num_tokens, row_stride] with gate in [0, size) and up in [size, 2 * size); out: [num_tokens, size]. */
 void silu_mul_f32(const float *gate_up, int64_t row_stride, float *out, int num_tokens, int size) {
-#pragma omp parallel for schedule(static) if ((int64_t)num_tokens * size >= PARALLEL_MIN_ELEMS)
-    for (int t = 0; t < num_tokens; t++) {
-        const float *gate = gate_up + (int64_t)t * row_stride, *up = gate + size;
-        float *dst = out + (int64_t)t * size;
-        for (int i = 0; i < size; i++) dst[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
-    }
+    SiluArgs a = {gate_up, out, row_stride, size};
+    if ((int64_t)num_tokens * size >= PARALLEL_MIN_ELEMS)
+        pool_for(num_tokens, size >= CHUNK_ELEMS ? 1 : CHUNK_ELEMS / size, silu_rows, &a);
+    else
+        silu_rows(&a, 0, num_tokens);
 }

@@ -12,9 +12,12 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -205,6 +208,47 @@ void decode_group_f32(const float *q, float *out, const float *k_cache, const fl
              block_size, scale, scores);
 }
 
+/* A thread's scores buffer, kept across calls and grown as contexts grow (a fresh malloc per call is
+ * an mmap and page faults at long contexts). NULL if it cannot grow to ``floats``. */
+static float *thread_scores(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        float *grown = realloc(buffer, sizeof(float) * floats);
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        capacity = floats;
+    }
+    return buffer;
+}
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    float *out;
+    int64_t block_stride, row_stride, bt_stride;
+    const int32_t *block_tables, *seq_lens;
+    int num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len;
+    float scale;
+    atomic_int failed;
+} DecodeArgs;
+
+/* Items s * num_kv_heads + h: sequence s's GQA group of KV head h. */
+static void decode_items(void *p, int64_t i0, int64_t i1) {
+    DecodeArgs *a = p;
+    float *scores = thread_scores((size_t)a->group * (size_t)(a->max_seq_len > 0 ? a->max_seq_len : 1));
+    if (scores == NULL) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    for (int64_t i = i0; i < i1; i++) {
+        const int s = (int)(i / a->num_kv_heads), h = (int)(i % a->num_kv_heads);
+        const int64_t offset = ((int64_t)s * a->num_heads + (int64_t)h * a->group) * a->head_dim;
+        one_head(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
+                 a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h, a->group, a->head_dim,
+                 a->block_size, a->scale, scores);
+    }
+}
+
 /* Returns 0 on success, 1 if the shapes are outside what this kernel handles. */
 int paged_decode_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
                      int64_t row_stride, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
@@ -212,22 +256,8 @@ int paged_decode_f32(const float *q, float *out, const float *k_cache, const flo
                      int max_seq_len) {
     int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads) return 1;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(max_seq_len > 0 ? max_seq_len : 1));
-        if (scores == NULL) failed = 1;
-#pragma omp for collapse(2) schedule(dynamic, 4)
-        for (int s = 0; s < num_seqs; s++) {
-            for (int h = 0; h < num_kv_heads; h++) {
-                if (scores == NULL) continue;
-                int64_t offset = ((int64_t)s * num_heads + (int64_t)h * group) * head_dim;
-                one_head(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride,
-                         block_tables + (int64_t)s * bt_stride, seq_lens[s], h, group, head_dim, block_size, scale,
-                         scores);
-            }
-        }
-        free(scores);
-    }
-    return failed ? 2 : 0;
+    DecodeArgs a = {q, k_cache, v_cache, out, block_stride, row_stride, bt_stride, block_tables, seq_lens,
+                    num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len, scale, 0};
+    pool_for((int64_t)num_seqs * num_kv_heads, 4, decode_items, &a);
+    return atomic_load(&a.failed) ? 2 : 0;
 }

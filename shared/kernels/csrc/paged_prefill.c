@@ -19,9 +19,12 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "pool.h"
 
 #define TILE_Q 32
 #define MAX_GROUP 16
@@ -311,6 +314,46 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
     }
 }
 
+typedef struct {
+    const Args *a;
+    const Item *items;
+    atomic_int failed;
+    int max_seq_len;
+} PrefillRun;
+
+static void prefill_items(void *p, int64_t i0, int64_t i1) {
+    PrefillRun *run = p;
+    const Args *a = run->a;
+    const int group = a->num_heads / a->num_kv_heads;
+    /* Kept per thread across calls, and grown as contexts grow: a fresh ~600 KB malloc is an mmap and
+     * page faults every layer. */
+    static __thread Scratch *w = NULL;
+    static __thread float *scores = NULL;
+    static __thread size_t scores_capacity = 0;
+    if (w == NULL) w = malloc(sizeof(Scratch));
+    const size_t scores_floats = (size_t)group * (size_t)run->max_seq_len;
+    if (scores_floats > scores_capacity) {
+        float *grown = realloc(scores, sizeof(float) * scores_floats);
+        if (grown != NULL) scores = grown, scores_capacity = scores_floats;
+    }
+    if (w == NULL || scores_floats > scores_capacity) {
+        atomic_store(&run->failed, 1);
+        return;
+    }
+    for (int64_t i = i0; i < i1; i++) {
+        const Item *it = &run->items[i];
+        const int q_len = a->query_start_loc[it->seq + 1] - a->query_start_loc[it->seq];
+        if (q_len == 1) { /* single-token rows (decode rows of a mixed step) take the decode path: no K transpose */
+            const int64_t offset = ((int64_t)a->query_start_loc[it->seq] * a->num_heads + (int64_t)it->kv_head * group) * a->head_dim;
+            decode_group_f32(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
+                             a->block_tables + (int64_t)it->seq * a->bt_stride, a->seq_lens[it->seq], it->kv_head,
+                             group, a->head_dim, a->block_size, a->scale, scores);
+        } else if (q_len > 1) {
+            run_item(a, it, w);
+        }
+    }
+}
+
 /* Returns 0 on success, 1 if the shapes are outside what this kernel handles, 2 if out of memory. */
 int paged_prefill_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
                       int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
@@ -340,34 +383,10 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
             }
         }
     }
-    int failed = 0;
-#pragma omp parallel
-    {
-        /* Kept per thread across calls: a fresh ~600 KB malloc is an mmap and page faults every layer. */
-        static __thread Scratch *w = NULL;
-        if (w == NULL) w = malloc(sizeof(Scratch));
-        if (w == NULL) failed = 1;
-        /* Single-token rows (decode rows of a mixed step) take the decode path: no K transpose for one row. */
-        float *scores = malloc(sizeof(float) * (size_t)(num_heads / num_kv_heads) * (size_t)max_seq_len);
-        if (scores == NULL) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; i++) {
-            const Item *it = &items[i];
-            const int q_len = query_start_loc[it->seq + 1] - query_start_loc[it->seq];
-            if (q_len == 1 && scores != NULL) {
-                const int group = num_heads / num_kv_heads;
-                const int64_t offset = ((int64_t)query_start_loc[it->seq] * num_heads + (int64_t)it->kv_head * group) * head_dim;
-                decode_group_f32(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride,
-                                 block_tables + (int64_t)it->seq * bt_stride, seq_lens[it->seq], it->kv_head, group,
-                                 head_dim, block_size, scale, scores);
-            } else if (w != NULL && q_len > 1) {
-                run_item(&a, it, w);
-            }
-        }
-        free(scores);
-    }
+    PrefillRun run = {&a, items, 0, max_seq_len};
+    pool_for(num_items, 1, prefill_items, &run);
     free(items);
-    return failed ? 2 : 0;
+    return atomic_load(&run.failed) ? 2 : 0;
 }
 
 /* Copies each new token's K and V rows (num_kv_heads * head_dim floats) to its slot. */

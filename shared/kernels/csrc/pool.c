@@ -1,0 +1,199 @@
+/*
+ * pool.h's parallel loop. One job at a time (a second caller meanwhile runs its loop alone). The job
+ * is one 64-bit word: generation (16 bits) | helpers allowed (6) | chunks (12) | claimed from the front
+ * (15) | claimed from the back (15). The caller takes chunks from the front, helpers from the back, so
+ * with one helper each thread walks a contiguous half (as a static split would, same cache reuse)
+ * and they meet wherever the slower one has got to. A claim is one fetch-and-add on the word, valid
+ * while front + back claims stay below the chunk count: it always names the job it belongs to, and a
+ * helper that wakes up after the job ended claims nothing. A job's other fields sit in one of two
+ * slots by generation parity; a slot is rewritten two jobs later, only after every chunk of its job,
+ * the claimed ones included, is done.
+ *
+ * Helpers spin briefly for the next job (a step's kernels follow one another within microseconds),
+ * then sleep on a futex; the caller wakes them only when one sleeps.
+ */
+#define _GNU_SOURCE
+#include "pool.h"
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_HELPERS 63
+#define MAX_CHUNKS 4095 /* chunks + claims past the end stay below the 15-bit fields */
+#define HELPER_SPIN_NS 50000
+#define CALLER_SPIN_NS 200000
+
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ volatile("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+typedef struct {
+    pool_range_fn fn;
+    void *ctx;
+    int64_t n;
+    int chunks;
+    atomic_int done;
+} Job;
+
+static Job jobs[2];
+static _Atomic uint64_t word;    /* see above */
+static atomic_uint generation;   /* the full count, for the futex */
+static atomic_int sleepers;
+static int num_helpers;          /* started; changed only by the caller holding caller_lock */
+static uint32_t last_generation; /* likewise */
+static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static __thread int inside_pool;
+
+#define GEN(w) ((uint32_t)((w) >> 48))
+#define HELPERS(w) ((int)(((w) >> 42) & 0x3f))
+#define CHUNKS(w) ((int)(((w) >> 30) & 0xfff))
+#define FRONT(w) ((int)(((w) >> 15) & 0x7fff))
+#define BACK(w) ((int)((w) & 0x7fff))
+#define FRONT_ONE ((uint64_t)1 << 15)
+#define BACK_ONE ((uint64_t)1)
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void run_chunk(const Job *job, int c) {
+    const int64_t begin = job->n * c / job->chunks, end = job->n * (c + 1) / job->chunks;
+    job->fn(job->ctx, begin, end);
+}
+
+/* Claims and runs chunks of the job the word names, from the front or the back, until none is left. */
+static void work(int from_front) {
+    for (;;) {
+        const uint64_t w = atomic_fetch_add_explicit(&word, from_front ? FRONT_ONE : BACK_ONE, memory_order_acq_rel);
+        const int chunks = CHUNKS(w);
+        if (FRONT(w) + BACK(w) >= chunks) return;
+        Job *job = &jobs[GEN(w) & 1];
+        run_chunk(job, from_front ? FRONT(w) : chunks - 1 - BACK(w));
+        atomic_fetch_add_explicit(&job->done, 1, memory_order_release);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals are the interpreter's main thread's */
+    inside_pool = 1;
+    uint32_t seen = GEN(atomic_load(&word));
+    for (;;) {
+        int64_t spin_until = 0;
+        for (int spins = 0;; spins++) {
+            const uint64_t w = atomic_load_explicit(&word, memory_order_acquire);
+            if (GEN(w) != seen) {
+                seen = GEN(w);
+                if (index < HELPERS(w) && FRONT(w) + BACK(w) < CHUNKS(w)) work(0);
+                break;
+            }
+            if ((spins & 63) == 0) {
+                const int64_t t = now_ns();
+                if (spin_until == 0) spin_until = t + HELPER_SPIN_NS;
+                if (t > spin_until) {
+                    atomic_fetch_add(&sleepers, 1);
+                    const unsigned g = atomic_load(&generation);
+                    if (GEN(atomic_load(&word)) == seen) syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
+                    atomic_fetch_sub(&sleepers, 1);
+                    spin_until = 0;
+                    continue;
+                }
+            }
+            cpu_relax();
+        }
+    }
+    return NULL;
+}
+
+/* In a forked child only the forking thread exists: start over with no helpers. */
+static void after_fork_in_child(void) {
+    num_helpers = 0;
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&caller_lock, NULL);
+}
+
+static void install_atfork(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+static int start_helpers(int wanted) {
+    pthread_once(&atfork_once, install_atfork);
+    if (wanted > MAX_HELPERS) wanted = MAX_HELPERS;
+    while (num_helpers < wanted) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)num_helpers);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        num_helpers++;
+    }
+    return num_helpers < wanted ? num_helpers : wanted;
+}
+
+void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (grain < 1) grain = 1;
+    int64_t chunks = (n + grain - 1) / grain;
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
+    const int threads = inside_pool ? 1 : omp_get_max_threads();
+    if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&caller_lock) != 0) {
+        fn(ctx, 0, n);
+        return;
+    }
+    const int helpers = start_helpers(threads - 1);
+    if (helpers == 0) {
+        pthread_mutex_unlock(&caller_lock);
+        fn(ctx, 0, n);
+        return;
+    }
+    const uint32_t gen = (last_generation + 1) & 0xffff;
+    last_generation = gen;
+    Job *job = &jobs[gen & 1];
+    job->fn = fn;
+    job->ctx = ctx;
+    job->n = n;
+    job->chunks = (int)chunks;
+    atomic_store_explicit(&job->done, 0, memory_order_relaxed);
+    atomic_exchange(&word, ((uint64_t)gen << 48) | ((uint64_t)helpers << 42) | ((uint64_t)chunks << 30));
+    atomic_fetch_add(&generation, 1);
+    if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    inside_pool = 1;
+    work(1);
+    inside_pool = 0;
+    /* Only chunks a helper has claimed can be left; wait for those. */
+    int64_t spin_until = 0;
+    for (int spins = 0; atomic_load_explicit(&job->done, memory_order_acquire) < (int)chunks; spins++) {
+        if ((spins & 63) == 0) {
+            const int64_t t = now_ns();
+            if (spin_until == 0) spin_until = t + CALLER_SPIN_NS;
+            if (t > spin_until) sched_yield(); /* the helper holding the chunk lost its core */
+        }
+        cpu_relax();
+    }
+    pthread_mutex_unlock(&caller_lock);
+}
+
+static void count_items(void *p, int64_t begin, int64_t end) {
+    _Atomic int32_t *counts = p;
+    for (int64_t i = begin; i < end; i++) atomic_fetch_add_explicit(&counts[i], 1, memory_order_relaxed);
+}
+
+/* For the tests: counts[i] += 1 for every item i of [0, n) that pool_for hands to a thread. */
+void pool_count_items(int64_t n, int64_t grain, int32_t *counts) { pool_for(n, grain, count_items, counts); }

@@ -1,0 +1,23 @@
+/*
+ * The kernels' parallel loop: the calling thread and a few helper threads take chunks of a range
+ * from one shared counter, and the caller returns when every chunk is done. Unlike an OpenMP
+ * parallel region it never waits for a helper to arrive: a helper that is not running (its core
+ * taken by another process of the box) simply takes no chunk, and the caller does the work itself.
+ * The caller waits only for chunks a helper has already started.
+ *
+ * Results do not depend on which thread ran a chunk, or how many threads there were, as long as fn
+ * computes each item of [begin, end) independently of the others.
+ */
+#ifndef CLEAVE_POOL_H
+#define CLEAVE_POOL_H
+
+#include <stdint.h>
+
+typedef void (*pool_range_fn)(void *ctx, int64_t begin, int64_t end);
+
+/* fn over [0, n) in chunks of about `grain` items; on the calling thread alone where the pool would
+ * have one thread (omp_get_max_threads(), which torch.set_num_threads sets), where there is one
+ * chunk, or where the call is made from inside another pool_for. */
+void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx);
+
+#endif

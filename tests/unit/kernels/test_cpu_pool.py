@@ -1,0 +1,105 @@
+"""The kernels' parallel loop (``csrc/pool.c``): every item handed out exactly once, whatever the
+thread count, the grain, a second caller at the same time or a fork; and the kernels built on it
+give the same bits at one thread as at several."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from shared.kernels import cpu_kernels
+
+lib = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(lib is None or not hasattr(lib, "pool_count_items"), reason="no C compiler")
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def counts_of(n: int, grain: int) -> torch.Tensor:
+    counts = torch.zeros(n, dtype=torch.int32)
+    lib.pool_count_items(n, grain, counts.data_ptr())
+    return counts
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,grain", [(1, 1), (2, 1), (7, 3), (100, 1), (1000, 4), (5000, 1), (100_000, 7)])
+def test_every_item_once(threads, num_threads, n, grain):
+    threads(num_threads)
+    for _ in range(20):  # consecutive jobs reuse the two job slots
+        assert torch.equal(counts_of(n, grain), torch.ones(n, dtype=torch.int32))
+
+
+def test_nothing_for_an_empty_range(threads):
+    threads(2)
+    lib.pool_count_items(0, 1, None)  # would crash on the NULL counts if anything ran
+
+
+def test_callers_on_several_threads_at_once(threads):
+    threads(2)
+    failures: list[int] = []
+
+    def caller(seed: int) -> None:
+        for i in range(200):
+            n = 1 + (seed * 7919 + i * 104729) % 3000
+            if not torch.equal(counts_of(n, 1 + i % 5), torch.ones(n, dtype=torch.int32)):
+                failures.append(n)
+
+    callers = [threading.Thread(target=caller, args=(s,)) for s in range(4)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert failures == []
+
+
+def test_a_forked_child_runs_its_loops(threads):
+    threads(2)
+    assert torch.equal(counts_of(1000, 1), torch.ones(1000, dtype=torch.int32))  # helpers started here
+    pid = os.fork()
+    if pid == 0:  # the child has no helper threads: it must not wait for them
+        ok = torch.equal(counts_of(1000, 1), torch.ones(1000, dtype=torch.int32))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.native_linear(), reason="the native projection needs AVX-512")
+def test_the_projection_gives_the_same_bits_at_any_thread_count(threads):
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 384, generator=gen), torch.randn(2048, 384, generator=gen)
+    threads(1)
+    one = cpu_kernels.linear(x, w)
+    for n in (2, 3, 4):
+        threads(n)
+        assert torch.equal(cpu_kernels.linear(x, w), one)
+
+
+def test_decode_attention_gives_the_same_bits_at_any_thread_count(threads):
+    from tests.helpers.paged import SeqChunk, build_metadata
+
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_kv_heads, group, head_dim = 16, 2, 3, 64
+    seq_lens = [1 + (i * 37) % 300 for i in range(40)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    ids = torch.randperm(sum(blocks_per_seq), generator=gen).tolist()
+    starts = [sum(blocks_per_seq[:i]) for i in range(len(seq_lens))]
+    tables = [ids[b : b + n] for b, n in zip(starts, blocks_per_seq, strict=True)]
+    meta, _ = build_metadata([SeqChunk(t, s - 1, 1) for t, s in zip(tables, seq_lens, strict=True)], block_size)
+    kv_cache = torch.randn(len(ids), 2, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    outs = []
+    for n in (1, 2, 4):
+        threads(n)
+        outs.append(
+            cpu_kernels.paged_decode(query, kv_cache[:, 0], kv_cache[:, 1], meta.block_tables, meta.seq_lens_cpu, 0.125)
+        )
+    assert outs[0] is not None
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
