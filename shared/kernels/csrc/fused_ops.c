@@ -19,12 +19,6 @@
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 
 #define LANES 16
-/* Threads only for work worth waking a helper for (torch's element-wise grain is similar): a
- * decode step's rows are a few microseconds of work. */
-#define PARALLEL_MIN_ELEMS (1 << 17)
-#define CHUNK_ELEMS (1 << 15)
-
-static int64_t rows_per_chunk(int64_t row_elems) { return row_elems >= CHUNK_ELEMS ? 1 : CHUNK_ELEMS / row_elems; }
 
 static void norm_row(const float *row, const float *weight, float *dst, int size, float eps) {
     float partial[LANES] = {0}; /* independent lanes: vectorizes without reassociating */
@@ -61,23 +55,16 @@ static void add_norm_rows(void *p, int64_t r0, int64_t r1) {
     }
 }
 
-static void run_rows(pool_range_fn fn, void *args, int num_rows, int64_t row_elems) {
-    if ((int64_t)num_rows * row_elems >= PARALLEL_MIN_ELEMS)
-        pool_for(num_rows, rows_per_chunk(row_elems), fn, args);
-    else
-        fn(args, 0, num_rows);
-}
-
 void rms_norm_f32(const float *x, int64_t x_stride, const float *weight, float *out, int64_t out_stride,
                   int num_rows, int size, float eps) {
     NormArgs a = {x, weight, NULL, out, x_stride, 0, out_stride, size, eps};
-    run_rows(norm_rows, &a, num_rows, size);
+    pool_rows(num_rows, size, norm_rows, &a);
 }
 
 void add_rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t residual_stride,
                       const float *weight, float *out, int64_t out_stride, int num_rows, int size, float eps) {
     NormArgs a = {x, weight, residual, out, x_stride, residual_stride, out_stride, size, eps};
-    run_rows(add_norm_rows, &a, num_rows, size);
+    pool_rows(num_rows, size, add_norm_rows, &a);
 }
 
 static void rope_head(float *x, const float *cos, const float *sin, int half) {
@@ -90,8 +77,6 @@ static void rope_head(float *x, const float *cos, const float *sin, int half) {
     }
 }
 
-/* qk: [num_tokens, row_stride]; the first num_heads_total heads of a row (q heads, then k heads) rotate.
- * cos/sin: [num_tokens, head_dim], each token's rows of the tables. */
 typedef struct {
     float *qk;
     const float *cos_rows, *sin_rows;
@@ -108,8 +93,10 @@ static void rope_rows(void *p, int64_t t0, int64_t t1) {
     }
 }
 
+/* qk: [num_tokens, row_stride]; the first num_heads_total heads of a row (q heads, then k heads) rotate.
+ * cos/sin: [num_tokens, head_dim], each token's rows of the tables. */
 void rope_f32(float *qk, int64_t row_stride, int num_tokens, int num_heads_total, int head_dim,
               const float *cos_rows, const float *sin_rows) {
     RopeArgs a = {qk, cos_rows, sin_rows, row_stride, num_heads_total, head_dim};
-    run_rows(rope_rows, &a, num_tokens, (int64_t)num_heads_total * head_dim);
+    pool_rows(num_tokens, (int64_t)num_heads_total * head_dim, rope_rows, &a);
 }

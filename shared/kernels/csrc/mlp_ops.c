@@ -8,9 +8,6 @@
 
 #include "pool.h"
 
-#define PARALLEL_MIN_ELEMS (1 << 17)
-#define CHUNK_ELEMS (1 << 15)
-
 typedef struct {
     const float *gate_up;
     float *out;
@@ -30,8 +27,5 @@ static void silu_rows(void *p, int64_t t0, int64_t t1) {
 /* gate_up: [num_tokens, row_stride] with gate in [0, size) and up in [size, 2 * size); out: [num_tokens, size]. */
 void silu_mul_f32(const float *gate_up, int64_t row_stride, float *out, int num_tokens, int size) {
     SiluArgs a = {gate_up, out, row_stride, size};
-    if ((int64_t)num_tokens * size >= PARALLEL_MIN_ELEMS)
-        pool_for(num_tokens, size >= CHUNK_ELEMS ? 1 : CHUNK_ELEMS / size, silu_rows, &a);
-    else
-        silu_rows(&a, 0, num_tokens);
+    pool_rows(num_tokens, size, silu_rows, &a);
 }

@@ -208,9 +208,10 @@ void decode_group_f32(const float *q, float *out, const float *k_cache, const fl
              block_size, scale, scores);
 }
 
-/* A thread's scores buffer, kept across calls and grown as contexts grow (a fresh malloc per call is
- * an mmap and page faults at long contexts). NULL if it cannot grow to ``floats``. */
-static float *thread_scores(size_t floats) {
+/* The calling thread's scores buffer (also the prefill kernel's, for its single-token rows), kept
+ * across calls and grown as contexts grow (a fresh malloc per call is an mmap and page faults at long
+ * contexts). NULL if it cannot grow to ``floats``. */
+float *decode_thread_scores(size_t floats) {
     static __thread float *buffer = NULL;
     static __thread size_t capacity = 0;
     if (floats > capacity) {
@@ -235,7 +236,7 @@ typedef struct {
 /* Items s * num_kv_heads + h: sequence s's GQA group of KV head h. */
 static void decode_items(void *p, int64_t i0, int64_t i1) {
     DecodeArgs *a = p;
-    float *scores = thread_scores((size_t)a->group * (size_t)(a->max_seq_len > 0 ? a->max_seq_len : 1));
+    float *scores = decode_thread_scores((size_t)a->group * (size_t)(a->max_seq_len > 0 ? a->max_seq_len : 1));
     if (scores == NULL) {
         atomic_store(&a->failed, 1);
         return;

@@ -38,6 +38,7 @@
 void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
                       int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
                       int head_dim, int block_size, float scale, float *scores);
+float *decode_thread_scores(size_t floats);
 
 typedef struct {
     int seq, kv_head, q_begin, q_end; /* q rows [q_begin, q_end) of the sequence's new tokens */
@@ -325,18 +326,11 @@ static void prefill_items(void *p, int64_t i0, int64_t i1) {
     PrefillRun *run = p;
     const Args *a = run->a;
     const int group = a->num_heads / a->num_kv_heads;
-    /* Kept per thread across calls, and grown as contexts grow: a fresh ~600 KB malloc is an mmap and
-     * page faults every layer. */
+    /* Kept per thread across calls: a fresh ~600 KB malloc is an mmap and page faults every layer. */
     static __thread Scratch *w = NULL;
-    static __thread float *scores = NULL;
-    static __thread size_t scores_capacity = 0;
     if (w == NULL) w = malloc(sizeof(Scratch));
-    const size_t scores_floats = (size_t)group * (size_t)run->max_seq_len;
-    if (scores_floats > scores_capacity) {
-        float *grown = realloc(scores, sizeof(float) * scores_floats);
-        if (grown != NULL) scores = grown, scores_capacity = scores_floats;
-    }
-    if (w == NULL || scores_floats > scores_capacity) {
+    float *scores = decode_thread_scores((size_t)group * (size_t)run->max_seq_len);
+    if (w == NULL || scores == NULL) {
         atomic_store(&run->failed, 1);
         return;
     }

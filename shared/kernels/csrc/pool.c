@@ -190,6 +190,15 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     pthread_mutex_unlock(&caller_lock);
 }
 
+void pool_rows(int64_t num_rows, int64_t row_elems, pool_range_fn fn, void *ctx) {
+    const int64_t parallel_min_elems = 1 << 17, chunk_elems = 1 << 15;
+    if (num_rows * row_elems < parallel_min_elems) {
+        if (num_rows > 0) fn(ctx, 0, num_rows);
+        return;
+    }
+    pool_for(num_rows, row_elems >= chunk_elems ? 1 : chunk_elems / row_elems, fn, ctx);
+}
+
 static void count_items(void *p, int64_t begin, int64_t end) {
     _Atomic int32_t *counts = p;
     for (int64_t i = begin; i < end; i++) atomic_fetch_add_explicit(&counts[i], 1, memory_order_relaxed);

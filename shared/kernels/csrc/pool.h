@@ -20,4 +20,9 @@ typedef void (*pool_range_fn)(void *ctx, int64_t begin, int64_t end);
  * chunk, or where the call is made from inside another pool_for. */
 void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx);
 
+/* fn over rows [0, num_rows) of row_elems elements each: on the calling thread alone below
+ * 2^17 elements (a decode step's rows are a few microseconds of work, not worth waking a helper
+ * for; torch's element-wise grain is similar), else pool_for in chunks of about 2^15 elements. */
+void pool_rows(int64_t num_rows, int64_t row_elems, pool_range_fn fn, void *ctx);
+
 #endif
