@@ -2,13 +2,15 @@
  * A linear layer's product, y[M, N] = x[M, K] . w[N, K]^T in float32, on the weights as the model
  * holds them (no packed copy). Tiles of R rows x C columns with R * C = 16 (4 x 4, 2 x 8, 1 x 16):
  * per 16 values of k, R rows of x and C rows of w are loaded once and give 16 lane-wise FMAs, and a
- * tile's 16 partial-sum vectors are reduced together in one add tree.
+ * tile's 16 partial-sum vectors are reduced together in one add tree. Without AVX-512 (AVX2 and FMA:
+ * 16 registers of 8 lanes), tiles of 3 x 3, 2 x 4 and 1 x 8, in column blocks that stay in L1.
  *
  * Every output is the same sequence of operations whatever M, N, the tile shape or the thread that
  * computes it: 16 lanes accumulate k = lane, lane + 16, ... in order, then one fixed tree adds the
  * lanes. A row's result therefore does not depend on the other rows of the batch (a request's
  * tokens do not change with who else is in the step), and the model's Python path and its one-call
- * forward (llama_forward.c), which both come here, agree bit for bit.
+ * forward (llama_forward.c), which both come here, agree bit for bit. (An AVX2 build adds 8 lanes, an
+ * AVX-512 build 16: each is consistent with itself.)
  */
 #include <stdint.h>
 
@@ -123,7 +125,121 @@ void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t l
         pool_for(blocks, 1, column_blocks, &a);
 }
 
-#else /* no AVX-512: callers keep torch's BLAS */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "pool.h"
+#include "simd.h"
+
+/* acc[r * C + c] += x_r[kk ..] * w_c[kk ..] lane-wise for 8 values of k (with ``tail``, the lanes
+ * outside ``live`` load zeros and add exact zeros); R + C + R * C <= 16 vectors, all in registers. */
+static inline __attribute__((always_inline)) void k_step(const int R, const int C, const float *const *xr,
+                                                         const float *const *wc, int kk, const int tail,
+                                                         __m256i live, __m256 *acc) {
+    __m256 xv[3], wv[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        xv[r] = tail ? _mm256_maskload_ps(xr[r] + kk, live) : _mm256_loadu_ps(xr[r] + kk);
+        __asm__("" : "+v"(xv[r]));
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+        wv[c] = tail ? _mm256_maskload_ps(wc[c] + kk, live) : _mm256_loadu_ps(wc[c] + kk);
+        __asm__("" : "+v"(wv[c]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) acc[r * C + c] = _mm256_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
+}
+
+/* y[r][c] for r < rows <= R, c < cols <= C, R * C <= 9; missing rows and columns repeat the last real
+ * one (their results are not stored). The sums of eight accumulators come from one sum8, a ninth's
+ * from hsum8: the same tree either way. */
+static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t ldx,
+                                                       const float *w, int64_t ldw, float *y, int64_t ldy,
+                                                       int rows, int cols, int k) {
+    const float *xr[3], *wc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) wc[c] = w + (int64_t)(c < cols ? c : cols - 1) * ldw;
+    __m256 acc[9];
+#pragma GCC unroll 9
+    for (int i = 0; i < R * C; i++) acc[i] = _mm256_setzero_ps();
+    int kk = 0;
+    for (; kk + 8 <= k; kk += 8) k_step(R, C, xr, wc, kk, 0, _mm256_setzero_si256(), acc);
+    if (kk < k) k_step(R, C, xr, wc, kk, 1, lanes_below(k - kk), acc); /* the last k % 8 */
+    float s[16];
+    _mm256_storeu_ps(s, sum8(acc));
+    if (R * C == 9) s[8] = hsum8(acc[8]);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) y[(int64_t)r * ldy + c] = s[r * C + c];
+}
+
+static void tile_3x3(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                     int cols, int k) {
+    tile(3, 3, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+static void tile_2x4(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                     int cols, int k) {
+    tile(2, 4, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+static void tile_1x8(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                     int cols, int k) {
+    tile(1, 8, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+
+#define L1_WEIGHT_BYTES 20480 /* of w per column block: with a tile's rows of x it stays in a 32 KiB L1 */
+
+/* Columns [n0, n0 + nc) of y for every row: 3-row tiles, then a 2-row and a 1-row tile for the rest. */
+static void column_block(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n0, int nc,
+                         int k) {
+    int r0 = 0;
+    for (; r0 + 3 <= m; r0 += 3)
+        for (int c0 = 0; c0 < nc; c0 += 3)
+            tile_3x3(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
+                     ldy, 3, nc - c0 < 3 ? nc - c0 : 3, k);
+    for (; r0 + 2 <= m; r0 += 2)
+        for (int c0 = 0; c0 < nc; c0 += 4)
+            tile_2x4(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
+                     ldy, 2, nc - c0 < 4 ? nc - c0 : 4, k);
+    if (r0 < m)
+        for (int c0 = 0; c0 < nc; c0 += 8)
+            tile_1x8(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
+                     ldy, 1, nc - c0 < 8 ? nc - c0 : 8, k);
+}
+
+int linear_f32_available(void) { return 1; }
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t ldx, ldy;
+    int m, n, k, block;
+} LinearArgs;
+
+static void column_blocks(void *p, int64_t b0, int64_t b1) {
+    const LinearArgs *a = p;
+    for (int64_t b = b0; b < b1; b++) {
+        const int n0 = (int)b * a->block, nc = a->n - n0 < a->block ? a->n - n0 : a->block;
+        column_block(a->x, a->ldx, a->w, a->y, a->ldy, a->m, n0, nc, a->k);
+    }
+}
+
+/* y (row stride ldy) = x (row stride ldx) . w^T, w [n, k] contiguous. Threads split the columns, in
+ * blocks of a multiple of 24 columns (the 3-, 4- and 8-column tiles divide it) or of what fits in L1. */
+void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
+    if (m <= 0 || n <= 0) return;
+    int block = L1_WEIGHT_BYTES / (4 * (k > 0 ? k : 1));
+    block = block >= 24 ? block / 24 * 24 : 24;
+    const int blocks = (n + block - 1) / block;
+    LinearArgs a = {x, w, y, ldx, ldy, m, n, k, block};
+    if ((int64_t)m * n * k < 65536)
+        column_blocks(&a, 0, blocks);
+    else
+        pool_for(blocks, 1, column_blocks, &a);
+}
+
+#else /* neither AVX-512 nor AVX2 with FMA: callers keep torch's BLAS */
 
 int linear_f32_available(void) { return 0; }
 
