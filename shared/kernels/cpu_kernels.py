@@ -8,7 +8,7 @@ one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
 one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
 ``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
 ``silu_mul`` the MLP's activation on the fused gate|up output; ``linear`` is the float32 projection
-(AVX-512; faster than torch's BLAS at these shapes on the CPUs measured, AMD's most of all, and a row's
+(AVX-512, or AVX2 with FMA; faster than torch's BLAS at these shapes on the CPUs measured, AMD's most of all, and a row's
 result does not depend on the batch around it); ``llama_forward_f32`` runs them all,
 with the projections, as one call (``shared/models/cpu_stack.py``). The shared library is built once per
 machine into ``$CLEAVE_CACHE_DIR`` (default ``~/.cache/cleave``), keyed by the
@@ -292,7 +292,7 @@ def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor | None:  # [rows,
 
 
 def native_linear() -> bool:
-    """Whether float32 CPU projections run on this library's ``linear_f32`` (built with AVX-512)
+    """Whether float32 CPU projections run on this library's ``linear_f32`` (built with AVX-512 or AVX2+FMA)
     instead of torch's BLAS; ``CLEAVE_CPU_GEMM=blas`` keeps the BLAS. Checked once per process."""
     global _native_linear
     if _native_linear is None:

@@ -71,7 +71,7 @@ def test_a_forked_child_runs_its_loops(threads):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
-@pytest.mark.skipif(not cpu_kernels.native_linear(), reason="the native projection needs AVX-512")
+@pytest.mark.skipif(not cpu_kernels.native_linear(), reason="the native projection needs AVX-512 or AVX2 with FMA")
 def test_the_projection_gives_the_same_bits_at_any_thread_count(threads):
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(64, 384, generator=gen), torch.randn(2048, 384, generator=gen)
