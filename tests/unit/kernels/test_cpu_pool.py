@@ -103,3 +103,47 @@ def test_decode_attention_gives_the_same_bits_at_any_thread_count(threads):
         )
     assert outs[0] is not None
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def _threads_named(name: str) -> dict[int, frozenset[int]]:
+    """This process's threads whose kernel name is ``name``: their CPU masks."""
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
+            found[int(tid)] = frozenset(os.sched_getaffinity(int(tid)))
+        except OSError:
+            continue  # a thread that has just ended
+    return found
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move threads between")
+def test_helpers_follow_a_thread_that_moves_itself(threads):
+    from shared.engine.cpu_threads import pin_this_thread
+
+    threads(3)
+    counts_of(100_000, 7)  # starts the helpers (two, for three threads)
+    helpers = _threads_named("cleave-kernel")
+    assert len(helpers) >= 2
+    first = min(os.sched_getaffinity(0))
+    moved: list[frozenset[int]] = []
+
+    def engine_thread() -> None:
+        assert pin_this_thread(frozenset({first}))
+        moved.append(frozenset(os.sched_getaffinity(0)))
+        assert torch.equal(counts_of(5000, 1), torch.ones(5000, dtype=torch.int32))  # still every item once
+
+    everywhere = frozenset(os.sched_getaffinity(0))
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    try:
+        assert moved == [frozenset({first})]
+        assert set(_threads_named("cleave-kernel").values()) == {frozenset({first})}
+        assert frozenset(os.sched_getaffinity(0)) == everywhere  # the process's other threads stay
+    finally:
+        os.sched_setaffinity(0, everywhere)  # this thread brings the helpers back for later tests
+        cpu_kernels.follow_caller_affinity()
+    assert set(_threads_named("cleave-kernel").values()) == {everywhere}
