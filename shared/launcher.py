@@ -23,7 +23,6 @@ from pathlib import Path
 
 from shared import flags
 from shared.cli import DEFAULT_MODEL_DIR, add_engine_args, env_default
-from shared.cpu_sets import format_cpus
 from shared.models.default_model import DefaultModelError, resolve_model, served_model_name
 from shared.supervisor import READY_TIMEOUT_S, Supervisor, child_setup
 
@@ -170,16 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         if split is not None:
             print(
                 f"cpus prefill+router={','.join(map(str, sorted(split[0])))} "
-                f"decode={','.join(map(str, sorted(split[1])))} (the decode workers' service threads beside "
-                "the prefill workers; --cpu-split off to share them all)",
+                f"decode={','.join(map(str, sorted(split[1])))} (--cpu-split off to share them all)",
                 flush=True,
             )
         pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", common, prefill_cpus)
                    for i in range(args.prefill_workers)]  # fmt: skip
-        # A decode worker's own streaming and transfer threads run beside the prefill workers, not on its
-        # engine's cores.
-        decode_args = common + (["--service-cpus", format_cpus(prefill_cpus)] if prefill_cpus else [])
-        pending += [cluster.start(f"decode-{i}", "services.decode_worker", decode_args, decode_cpus)
+        pending += [cluster.start(f"decode-{i}", "services.decode_worker", common, decode_cpus)
                     for i in range(args.decode_workers)]  # fmt: skip
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip

@@ -24,7 +24,6 @@ from services.common.http_endpoints import start_metrics_server
 from services.common.metrics import RequestTracker, WorkerMetrics
 from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
-from shared.cpu_sets import format_cpus, parse_cpus
 from shared.engine.async_engine import AsyncEngine, NewRequest
 from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
@@ -61,12 +60,6 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", default=env_default("--redis-url", None),
                         help="register this worker in Redis for discovery, e.g. redis://127.0.0.1:6379/0 "
                         "(default: none; the router then needs this worker's address as a flag)")  # fmt: skip
-    parser.add_argument("--service-cpus", type=parse_cpus, default=env_default("--service-cpus", None),
-                        metavar="LIST",
-                        help="CPUs (e.g. 0 or 0-3) for this worker's gRPC, event-loop and KV-transfer threads; the "
-                        "engine thread keeps the CPUs the process started with. `cleave serve` gives its decode "
-                        "workers the prefill workers' CPUs here, so streaming never takes a decode step's core "
-                        "(default: every thread shares the process's CPUs)")  # fmt: skip
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds a SIGTERM waits for in-flight requests before exiting (keep it below "
                         "the pod's termination grace period)")  # fmt: skip
@@ -86,22 +79,6 @@ SERVER_OPTIONS = [
 ]
 
 
-def move_service_threads(service_cpus: frozenset[int] | None) -> frozenset[int] | None:
-    """Moves the calling (main) thread to ``service_cpus``, so that every thread it starts from here
-    on (gRPC's, the KV transfer's, the event loop's work) runs there, and returns the CPUs the process
-    had, for the engine thread; None (everything stays) without ``service_cpus`` or where refused."""
-    if not service_cpus:
-        return None
-    engine_cpus = frozenset(os.sched_getaffinity(0))
-    try:
-        os.sched_setaffinity(0, service_cpus)  # Linux: 0 is the calling thread
-    except OSError as e:
-        logger.warning("service_cpus_refused cpus=%s error=%s", format_cpus(service_cpus), e)
-        return None
-    logger.info("cpus engine=%s service=%s", format_cpus(engine_cpus), format_cpus(service_cpus))
-    return engine_cpus
-
-
 class WorkerBase:
     """Engine + KV connector + the RPCs every role answers."""
 
@@ -112,7 +89,7 @@ class WorkerBase:
 
         self.args = args
         self.worker_id = args.worker_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
-        self.engine = AsyncEngine(engine_config_from_args(args), cpus=move_service_threads(args.service_cpus))
+        self.engine = AsyncEngine(engine_config_from_args(args))
         core = self.engine.core
         self.peer_info = make_peer_info(
             core.runner.kv_cache, model_id=os.path.basename(os.path.abspath(args.model)), role=self.role

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import EngineConfig
-from shared.engine.cpu_threads import pin_this_thread, set_thread_name
 from shared.engine.engine_core import EngineCore, RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import SamplingParams
@@ -46,13 +45,8 @@ class NewRequest:
 
 
 class AsyncEngine:
-    def __init__(
-        self, config: EngineConfig, core: EngineCore | None = None, cpus: frozenset[int] | None = None
-    ) -> None:
-        """``cpus``: where the engine thread (and the kernels' helpers) run, when the process's other
-        threads run elsewhere (a decode worker's ``--service-cpus``); None keeps the creating thread's."""
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
-        self._cpus = cpus
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -67,9 +61,6 @@ class AsyncEngine:
     # ---- engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
-        set_thread_name("cleave-engine")  # as `top -H` and /proc/PID/task/*/comm show it
-        if self._cpus:
-            pin_this_thread(self._cpus)
         # A step's deltas reach their streams when the next step's forward starts (or before a command
         # runs, or when the engine goes idle): the event loop then streams them while the forward runs
         # native code without the GIL, instead of contending with the step's own Python for it.

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
-
-from shared.cpu_sets import format_cpus
 
 logger = logging.getLogger("cleave.engine")
 
@@ -134,27 +131,3 @@ class ThreadGovernor:
             self._set_threads(wanted)
             self.changes += 1
         return self.threads
-
-
-def set_thread_name(name: str) -> None:
-    """The calling thread's name as the kernel shows it (``comm``, 15 bytes); nothing off Linux."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_name = 15
-    ctypes.CDLL(None).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
-
-
-def pin_this_thread(cpus: frozenset[int]) -> bool:
-    """Moves the calling thread (not its process) and the kernels' helper threads to ``cpus``;
-    False (logged) where the kernel refuses them, and the thread stays where it was."""
-    try:
-        os.sched_setaffinity(0, cpus)  # Linux: 0 is the calling thread
-    except (AttributeError, OSError, ValueError) as e:
-        logger.warning("cpu_pin_failed cpus=%s error=%s", format_cpus(cpus), e)
-        return False
-    from shared.kernels import cpu_kernels
-
-    cpu_kernels.follow_caller_affinity()
-    return True

@@ -146,9 +146,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "pool_count_items"):  # the tests' view of the kernels' parallel loop (csrc/pool.c)
         lib.pool_count_items.argtypes = [i64, i64, ptr]
         lib.pool_count_items.restype = None
-    if hasattr(lib, "pool_follow_caller_affinity"):
-        lib.pool_follow_caller_affinity.argtypes = []
-        lib.pool_follow_caller_affinity.restype = ctypes.c_int
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -292,16 +289,6 @@ def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor | None:  # [rows,
     out = torch.empty(gate_up.shape[0], size, dtype=gate_up.dtype)
     lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
     return out
-
-
-def follow_caller_affinity() -> None:
-    """The kernels' helper threads take the calling thread's CPU mask (they keep the mask of the
-    thread that started them otherwise); nothing where the library is not loaded."""
-    lib = _lib
-    if lib is not None and hasattr(lib, "pool_follow_caller_affinity"):
-        err = lib.pool_follow_caller_affinity()
-        if err:
-            logger.warning("cpu_kernels_affinity_failed errno=%d", err)
 
 
 def native_linear() -> bool:

@@ -52,7 +52,6 @@ static _Atomic uint64_t word;    /* see above */
 static atomic_uint generation;   /* the full count, for the futex */
 static atomic_int sleepers;
 static int num_helpers;          /* started; changed only by the caller holding caller_lock */
-static pthread_t helper_threads[MAX_HELPERS];
 static uint32_t last_generation; /* likewise */
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
@@ -143,8 +142,7 @@ static int start_helpers(int wanted) {
         const int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)num_helpers);
         pthread_attr_destroy(&attr);
         if (failed) break;
-        pthread_setname_np(thread, "cleave-kernel"); /* as `top -H` shows it */
-        helper_threads[num_helpers++] = thread;
+        num_helpers++;
     }
     return num_helpers < wanted ? num_helpers : wanted;
 }
@@ -208,15 +206,3 @@ static void count_items(void *p, int64_t begin, int64_t end) {
 
 /* For the tests: counts[i] += 1 for every item i of [0, n) that pool_for hands to a thread. */
 void pool_count_items(int64_t n, int64_t grain, int32_t *counts) { pool_for(n, grain, count_items, counts); }
-
-/* Helpers start with the CPU mask of the thread that started them; a thread that has moved itself to
- * other CPUs (a worker's engine thread, whose process's other threads run elsewhere) brings the
- * helpers along. Returns 0, or the error number of the first mask that could not be set. */
-int pool_follow_caller_affinity(void) {
-    cpu_set_t set;
-    int err = pthread_getaffinity_np(pthread_self(), sizeof set, &set);
-    pthread_mutex_lock(&caller_lock);
-    for (int i = 0; i < num_helpers && err == 0; i++) err = pthread_setaffinity_np(helper_threads[i], sizeof set, &set);
-    pthread_mutex_unlock(&caller_lock);
-    return err;
-}

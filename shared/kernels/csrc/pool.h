@@ -25,7 +25,4 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx);
  * for; torch's element-wise grain is similar), else pool_for in chunks of about 2^15 elements. */
 void pool_rows(int64_t num_rows, int64_t row_elems, pool_range_fn fn, void *ctx);
 
-/* Gives the helpers the calling thread's CPU mask; 0, or an errno. */
-int pool_follow_caller_affinity(void);
-
 #endif
