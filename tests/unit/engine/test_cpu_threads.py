@@ -7,18 +7,34 @@ import subprocess
 import sys
 import time
 
-from shared.engine.cpu_threads import ThreadGovernor, other_runnable_tasks, own_running_threads, runnable_tasks
+from shared.engine.cpu_threads import (
+    ThreadGovernor,
+    other_cpu_seconds,
+    other_runnable_tasks,
+    own_running_threads,
+    runnable_tasks,
+)
 
 
 class FakeMachine:
+    """``others`` runnable tasks of other processes, each using ``core_each`` cores while runnable."""
+
     def __init__(self) -> None:
         self.others = 0
+        self.core_each = 1.0
         self.now = 0.0
         self.set_calls: list[int] = []
+        self._cpu = 0.0
+        self._cpu_at = 0.0
+
+    def cpu_seconds(self) -> float:
+        self._cpu += self.others * self.core_each * (self.now - self._cpu_at)
+        self._cpu_at = self.now
+        return self._cpu
 
     def governor(self, max_threads: int = 2, num_cpus: int = 2) -> ThreadGovernor:
         return ThreadGovernor(max_threads, num_cpus, sample=lambda: self.others, set_threads=self.set_calls.append,
-                              clock=lambda: self.now)  # fmt: skip
+                              clock=lambda: self.now, cpu_sample=self.cpu_seconds)  # fmt: skip
 
     def steps(self, governor: ThreadGovernor, n: int) -> int:
         for _ in range(n):
@@ -55,6 +71,25 @@ def test_an_odd_sample_or_a_mostly_idle_neighbour_changes_nothing():
     assert g.threads == 2 and m.set_calls == []
 
 
+def test_a_neighbour_runnable_in_every_sample_counts_only_if_it_uses_the_cpu():
+    m = FakeMachine()
+    g = m.governor()
+    m.others, m.core_each = 1, 0.45  # a client and a router streaming tokens: queued behind the step, not busy
+    assert m.steps(g, 50) == 2 and m.set_calls == []
+    m.core_each = 0.8  # a busy process beside a 4-thread step on 4 cores gets four fifths of a core
+    assert m.steps(g, 50) == 1 and m.set_calls == [1]
+    m.core_each = 1.0  # ... and a whole one once the step is down to one thread: stays at one
+    assert m.steps(g, 50) == 1 and m.set_calls == [1]
+
+
+def test_without_cpu_accounting_the_runnable_count_decides():
+    m = FakeMachine()
+    g = ThreadGovernor(2, 2, sample=lambda: m.others, set_threads=m.set_calls.append, clock=lambda: m.now,
+                       cpu_sample=lambda: None)  # fmt: skip
+    m.others, m.core_each = 1, 0.1
+    assert m.steps(g, 30) == 1
+
+
 def test_bounds_and_samples_at_most_every_interval():
     m = FakeMachine()
     g = m.governor(max_threads=4, num_cpus=8)
@@ -85,6 +120,12 @@ def test_reads_this_machine():
             assert others is not None and others >= 0
             seen = others
         assert seen >= 1, "a busy child process never showed as runnable"
+        before, t0 = other_cpu_seconds(), time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            pass
+        after = other_cpu_seconds()
+        if before is not None and after is not None:  # the child's half second, not this loop's
+            assert 0.1 <= after - before <= 2.0, (before, after)
     finally:
         busy.kill()
         busy.wait()
@@ -96,7 +137,8 @@ def test_follows_the_processs_cpu_affinity(monkeypatch):
     cpus = {0, 1}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
     m = FakeMachine()
-    g = ThreadGovernor(2, None, sample=lambda: m.others, set_threads=m.set_calls.append, clock=lambda: m.now)
+    g = ThreadGovernor(2, None, sample=lambda: m.others, set_threads=m.set_calls.append, clock=lambda: m.now,
+                       cpu_sample=m.cpu_seconds)  # fmt: skip
     assert m.steps(g, 5) == 2
     cpus.discard(0)
     assert m.steps(g, 5) == 1 and m.set_calls == [1]

@@ -8,7 +8,9 @@ import torch
 
 from shared.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.native_linear(), reason="the native projection needs AVX-512 or AVX2 with FMA")
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.native_linear(), reason="the native projection needs AVX-512 or AVX2 with FMA"
+)
 
 # (rows, out features, in features): the model's shapes, and odd ones that leave partial tiles and a k tail
 SHAPES = [(1, 640, 384), (3, 384, 384), (5, 2048, 384), (7, 384, 1024), (17, 7168, 384), (33, 100, 37), (2, 5, 3)]
