@@ -79,51 +79,19 @@ static void tile_1x16(const float *x, int64_t ldx, const float *w, int64_t ldw, 
     tile(1, 16, x, ldx, w, ldw, y, ldy, rows, cols, k);
 }
 
-/* Columns [n0, n0 + nc) of y for every row: 4-row tiles, then a 2-row and a 1-row tile for the rest. */
-static void column_block(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n0, int nc,
-                         int k) {
-    int r0 = 0;
-    for (; r0 + 4 <= m; r0 += 4)
-        for (int c0 = 0; c0 < nc; c0 += 4)
-            tile_4x4(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
-                     ldy, 4, nc - c0 < 4 ? nc - c0 : 4, k);
-    for (; r0 + 2 <= m; r0 += 2)
-        for (int c0 = 0; c0 < nc; c0 += 8)
-            tile_2x8(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
-                     ldy, 2, nc - c0 < 8 ? nc - c0 : 8, k);
-    if (r0 < m)
-        for (int c0 = 0; c0 < nc; c0 += 16)
-            tile_1x16(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
-                      ldy, 1, nc - c0 < 16 ? nc - c0 : 16, k);
+/* The tiles, tallest first (rows x columns), and the columns a thread's block holds. */
+#define TILE_A tile_4x4
+#define TILE_A_ROWS 4
+#define TILE_A_COLS 4
+#define TILE_B tile_2x8
+#define TILE_B_COLS 8
+#define TILE_ROW tile_1x16
+#define TILE_ROW_COLS 16
+static int block_columns(int k) {
+    (void)k;
+    return COLUMN_BLOCK;
 }
-
-int linear_f32_available(void) { return 1; }
-
-typedef struct {
-    const float *x, *w;
-    float *y;
-    int64_t ldx, ldy;
-    int m, n, k;
-} LinearArgs;
-
-static void column_blocks(void *p, int64_t b0, int64_t b1) {
-    const LinearArgs *a = p;
-    for (int64_t b = b0; b < b1; b++) {
-        const int n0 = (int)b * COLUMN_BLOCK, nc = a->n - n0 < COLUMN_BLOCK ? a->n - n0 : COLUMN_BLOCK;
-        column_block(a->x, a->ldx, a->w, a->y, a->ldy, a->m, n0, nc, a->k);
-    }
-}
-
-/* y (row stride ldy) = x (row stride ldx) . w^T, w [n, k] contiguous. Threads split the columns. */
-void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
-    if (m <= 0 || n <= 0) return;
-    const int blocks = (n + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
-    LinearArgs a = {x, w, y, ldx, ldy, m, n, k};
-    if ((int64_t)m * n * k < 65536)
-        column_blocks(&a, 0, blocks);
-    else
-        pool_for(blocks, 1, column_blocks, &a);
-}
+#define NATIVE_LINEAR 1
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "pool.h"
@@ -188,24 +156,39 @@ static void tile_1x8(const float *x, int64_t ldx, const float *w, int64_t ldw, f
     tile(1, 8, x, ldx, w, ldw, y, ldy, rows, cols, k);
 }
 
+#define TILE_A tile_3x3
+#define TILE_A_ROWS 3
+#define TILE_A_COLS 3
+#define TILE_B tile_2x4
+#define TILE_B_COLS 4
+#define TILE_ROW tile_1x8
+#define TILE_ROW_COLS 8
 #define L1_WEIGHT_BYTES 20480 /* of w per column block: with a tile's rows of x it stays in a 32 KiB L1 */
+/* A multiple of 24 columns (the 3-, 4- and 8-column tiles divide it), as many as fit in L1. */
+static int block_columns(int k) {
+    const int fit = L1_WEIGHT_BYTES / (4 * (k > 0 ? k : 1));
+    return fit >= 24 ? fit / 24 * 24 : 24;
+}
+#define NATIVE_LINEAR 1
+#endif
 
-/* Columns [n0, n0 + nc) of y for every row: 3-row tiles, then a 2-row and a 1-row tile for the rest. */
+#if defined(NATIVE_LINEAR)
+/* Columns [n0, n0 + nc) of y for every row: tiles of TILE_A_ROWS rows, then 2-row and 1-row tiles. */
 static void column_block(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n0, int nc,
                          int k) {
     int r0 = 0;
-    for (; r0 + 3 <= m; r0 += 3)
-        for (int c0 = 0; c0 < nc; c0 += 3)
-            tile_3x3(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
-                     ldy, 3, nc - c0 < 3 ? nc - c0 : 3, k);
+    for (; r0 + TILE_A_ROWS <= m; r0 += TILE_A_ROWS)
+        for (int c0 = 0; c0 < nc; c0 += TILE_A_COLS)
+            TILE_A(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
+                   TILE_A_ROWS, nc - c0 < TILE_A_COLS ? nc - c0 : TILE_A_COLS, k);
     for (; r0 + 2 <= m; r0 += 2)
-        for (int c0 = 0; c0 < nc; c0 += 4)
-            tile_2x4(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
-                     ldy, 2, nc - c0 < 4 ? nc - c0 : 4, k);
+        for (int c0 = 0; c0 < nc; c0 += TILE_B_COLS)
+            TILE_B(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy, 2,
+                   nc - c0 < TILE_B_COLS ? nc - c0 : TILE_B_COLS, k);
     if (r0 < m)
-        for (int c0 = 0; c0 < nc; c0 += 8)
-            tile_1x8(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0,
-                     ldy, 1, nc - c0 < 8 ? nc - c0 : 8, k);
+        for (int c0 = 0; c0 < nc; c0 += TILE_ROW_COLS)
+            TILE_ROW(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
+                     1, nc - c0 < TILE_ROW_COLS ? nc - c0 : TILE_ROW_COLS, k);
 }
 
 int linear_f32_available(void) { return 1; }
@@ -225,13 +208,10 @@ static void column_blocks(void *p, int64_t b0, int64_t b1) {
     }
 }
 
-/* y (row stride ldy) = x (row stride ldx) . w^T, w [n, k] contiguous. Threads split the columns, in
- * blocks of a multiple of 24 columns (the 3-, 4- and 8-column tiles divide it) or of what fits in L1. */
+/* y (row stride ldy) = x (row stride ldx) . w^T, w [n, k] contiguous. Threads split the columns. */
 void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
     if (m <= 0 || n <= 0) return;
-    int block = L1_WEIGHT_BYTES / (4 * (k > 0 ? k : 1));
-    block = block >= 24 ? block / 24 * 24 : 24;
-    const int blocks = (n + block - 1) / block;
+    const int block = block_columns(k), blocks = (n + block - 1) / block;
     LinearArgs a = {x, w, y, ldx, ldy, m, n, k, block};
     if ((int64_t)m * n * k < 65536)
         column_blocks(&a, 0, blocks);
