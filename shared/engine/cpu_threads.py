@@ -53,6 +53,7 @@ WINDOW = 10  # samples kept: the last second
 
 
 NEIGHBOUR_CPU = 0.75  # cores a neighbour uses, averaged over the window, to count as one
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc/stat units per second
 
 
 def runnable_tasks() -> int | None:
@@ -100,7 +101,7 @@ def other_cpu_seconds() -> float | None:
         user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields)
         own = stat[stat.rfind(")") + 2 :].split()  # from field 3 (state): utime and stime are 14 and 15
         own_ticks = int(own[11]) + int(own[12])
-        return (user + nice + system + irq + softirq - own_ticks) / os.sysconf("SC_CLK_TCK")
+        return (user + nice + system + irq + softirq - own_ticks) / CLOCK_TICKS
     except (OSError, IndexError, ValueError):
         return None
 

@@ -66,26 +66,10 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
         _mm512_mask_storeu_ps(y + (int64_t)r * ldy - r * C, (__mmask16)(row_mask << (r * C)), s);
 }
 
-static void tile_4x4(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
-                     int cols, int k) {
-    tile(4, 4, x, ldx, w, ldw, y, ldy, rows, cols, k);
-}
-static void tile_2x8(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
-                     int cols, int k) {
-    tile(2, 8, x, ldx, w, ldw, y, ldy, rows, cols, k);
-}
-static void tile_1x16(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
-                      int cols, int k) {
-    tile(1, 16, x, ldx, w, ldw, y, ldy, rows, cols, k);
-}
-
-/* The tiles, tallest first (rows x columns), and the columns a thread's block holds. */
-#define TILE_A tile_4x4
+/* The tiles (rows x columns): tallest first, then 2 rows and 1 row; and the columns of a thread's block. */
 #define TILE_A_ROWS 4
 #define TILE_A_COLS 4
-#define TILE_B tile_2x8
 #define TILE_B_COLS 8
-#define TILE_ROW tile_1x16
 #define TILE_ROW_COLS 16
 static int block_columns(int k) {
     (void)k;
@@ -136,32 +120,16 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
     int kk = 0;
     for (; kk + 8 <= k; kk += 8) k_step(R, C, xr, wc, kk, 0, _mm256_setzero_si256(), acc);
     if (kk < k) k_step(R, C, xr, wc, kk, 1, lanes_below(k - kk), acc); /* the last k % 8 */
-    float s[16];
+    float s[9];
     _mm256_storeu_ps(s, sum8(acc));
     if (R * C == 9) s[8] = hsum8(acc[8]);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) y[(int64_t)r * ldy + c] = s[r * C + c];
 }
 
-static void tile_3x3(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
-                     int cols, int k) {
-    tile(3, 3, x, ldx, w, ldw, y, ldy, rows, cols, k);
-}
-static void tile_2x4(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
-                     int cols, int k) {
-    tile(2, 4, x, ldx, w, ldw, y, ldy, rows, cols, k);
-}
-static void tile_1x8(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
-                     int cols, int k) {
-    tile(1, 8, x, ldx, w, ldw, y, ldy, rows, cols, k);
-}
-
-#define TILE_A tile_3x3
 #define TILE_A_ROWS 3
 #define TILE_A_COLS 3
-#define TILE_B tile_2x4
 #define TILE_B_COLS 4
-#define TILE_ROW tile_1x8
 #define TILE_ROW_COLS 8
 #define L1_WEIGHT_BYTES 20480 /* of w per column block: with a tile's rows of x it stays in a 32 KiB L1 */
 /* A multiple of 24 columns (the 3-, 4- and 8-column tiles divide it), as many as fit in L1. */
@@ -173,21 +141,34 @@ static int block_columns(int k) {
 #endif
 
 #if defined(NATIVE_LINEAR)
+static void tile_a(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows, int cols,
+                   int k) {
+    tile(TILE_A_ROWS, TILE_A_COLS, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+static void tile_b(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows, int cols,
+                   int k) {
+    tile(2, TILE_B_COLS, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+static void tile_row(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows,
+                     int cols, int k) {
+    tile(1, TILE_ROW_COLS, x, ldx, w, ldw, y, ldy, rows, cols, k);
+}
+
 /* Columns [n0, n0 + nc) of y for every row: tiles of TILE_A_ROWS rows, then 2-row and 1-row tiles. */
 static void column_block(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n0, int nc,
                          int k) {
     int r0 = 0;
     for (; r0 + TILE_A_ROWS <= m; r0 += TILE_A_ROWS)
         for (int c0 = 0; c0 < nc; c0 += TILE_A_COLS)
-            TILE_A(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
+            tile_a(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
                    TILE_A_ROWS, nc - c0 < TILE_A_COLS ? nc - c0 : TILE_A_COLS, k);
     for (; r0 + 2 <= m; r0 += 2)
         for (int c0 = 0; c0 < nc; c0 += TILE_B_COLS)
-            TILE_B(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy, 2,
+            tile_b(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy, 2,
                    nc - c0 < TILE_B_COLS ? nc - c0 : TILE_B_COLS, k);
     if (r0 < m)
         for (int c0 = 0; c0 < nc; c0 += TILE_ROW_COLS)
-            TILE_ROW(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
+            tile_row(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
                      1, nc - c0 < TILE_ROW_COLS ? nc - c0 : TILE_ROW_COLS, k);
 }
 
