@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,15 @@ def _health_status(metrics_port: str) -> int:
         return e.code
 
 
+def _reports_unhealthy_within(metrics_port: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _health_status(metrics_port) != 503:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _router_sees_healthy(base: str, address: str) -> bool:
     try:
         with urllib.request.urlopen(base + "/health", timeout=2) as resp:
@@ -48,7 +58,7 @@ def _router_sees_healthy(base: str, address: str) -> bool:
 
 
 async def _stream(
-    client: openai.AsyncOpenAI, model: str, started: asyncio.Event, counter: list[int]
+    client: openai.AsyncOpenAI, model: str, started: threading.Event, counter: list[int]
 ) -> tuple[int, str]:
     stream = await client.completions.create(
         model=model, prompt="Hello there", max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
@@ -88,16 +98,20 @@ def test_sigterm_during_streams_drains_and_exits_zero(model_dir) -> None:
 
 async def _drive(base: str, model: str, victim) -> None:
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
-    started, counter = asyncio.Event(), [0]
+    started, counter = threading.Event(), [0]
     tasks = [asyncio.create_task(_stream(client, model, started, counter)) for _ in range(NUM_STREAMS)]
-    await asyncio.wait_for(started.wait(), timeout=120)
-    assert _health_status(victim.info["metrics_port"]) == 200
-    victim.popen.send_signal(signal.SIGTERM)
-    # Unhealthy at once, while its streams are still running.
-    deadline = time.monotonic() + 10
-    while _health_status(victim.info["metrics_port"]) != 503:
-        assert time.monotonic() < deadline, "drained worker still reports healthy"
-        await asyncio.sleep(0.01)
+
+    def sigterm_once_streaming() -> tuple[int, bool]:
+        # From a thread: this event loop is busy reading the streams' chunks, and a signal or a poll that
+        # waits its turn here can come after the victim has finished them all.
+        assert started.wait(timeout=120), "the streams did not start"
+        before = _health_status(victim.info["metrics_port"])
+        victim.popen.send_signal(signal.SIGTERM)
+        return before, _reports_unhealthy_within(victim.info["metrics_port"], 10)
+
+    before, unhealthy = await asyncio.to_thread(sigterm_once_streaming)
+    assert before == 200
+    assert unhealthy, "drained worker still reports healthy"  # at once, while its streams still run
     # The router marks it unhealthy within a health poll (0.5 s here), while its streams still run.
     deadline = time.monotonic() + 10
     while _router_sees_healthy(base, victim.info["grpc"]):
