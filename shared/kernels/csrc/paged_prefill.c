@@ -167,7 +167,7 @@ static inline __m512 exp_ps(__m512 x) {
 /* block_update for head_dim % 64 == 0 over a span of up to MAX_BLOCK keys (several cache blocks; V row
  * t at v_rows[t]): the scores of ROW_GROUP rows x 16 keys and the rows' accumulators (64 dims at a time)
  * stay in registers, and each row's online-softmax update is paid once per span, not per block. */
-static void block_update_avx512(Scratch *w, const float *const *v_rows, int hd, int rows, int group, int first_pos,
+static void block_update_fast(Scratch *w, const float *const *v_rows, int hd, int rows, int group, int first_pos,
                                 int block_start, int n, int bsp) {
     float S[ROW_GROUP][MAX_BLOCK];
     for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
@@ -247,6 +247,110 @@ static void block_update_avx512(Scratch *w, const float *const *v_rows, int hd, 
         }
     }
 }
+#define FAST_PREFILL_DIMS 64 /* head_dim multiple for block_update_fast */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "simd.h"
+
+/* e^x for x <= 0, as exp_ps above: the power of two is built in the exponent bits (x clamped at -87, so
+ * the smallest result is ~2^-126 rather than 0: below the precision of any sum it joins). */
+static inline __m256 exp_ps(__m256 x) {
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The AVX-512 block_update_fast with 8 lanes (head_dim % 16 == 0): ROW_GROUP rows x 16 keys of scores and the
+ * rows' accumulators 16 dims at a time in registers; the online-softmax update once per span. */
+static void block_update_fast(Scratch *w, const float *const *v_rows, int hd, int rows, int group, int first_pos,
+                              int block_start, int n, int bsp) {
+    float S[ROW_GROUP][MAX_BLOCK];
+    for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
+        if (group_masked(r0, rows, group, first_pos, block_start)) continue;
+        const float *q0 = w->qs + (int64_t)r0 * hd;
+        for (int c = 0; c < bsp; c += KEY_CHUNK) {
+            __m256 s[ROW_GROUP][2];
+            for (int i = 0; i < ROW_GROUP; i++) s[i][0] = s[i][1] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d++) {
+                const __m256 k0 = _mm256_loadu_ps(w->kt + (int64_t)d * bsp + c);
+                const __m256 k1 = _mm256_loadu_ps(w->kt + (int64_t)d * bsp + c + 8);
+#pragma GCC unroll 4
+                for (int i = 0; i < ROW_GROUP; i++) {
+                    const __m256 qd = _mm256_broadcast_ss(q0 + (int64_t)i * hd + d);
+                    s[i][0] = _mm256_fmadd_ps(qd, k0, s[i][0]);
+                    s[i][1] = _mm256_fmadd_ps(qd, k1, s[i][1]);
+                }
+            }
+            for (int i = 0; i < ROW_GROUP; i++) {
+                _mm256_storeu_ps(S[i] + c, s[i][0]);
+                _mm256_storeu_ps(S[i] + c + 8, s[i][1]);
+            }
+        }
+        int max_valid = 0;
+        float correction[ROW_GROUP];
+        for (int i = 0; i < ROW_GROUP; i++) {
+            const int r = r0 + i;
+            const int valid = row_valid(r, rows, group, first_pos, block_start, n);
+            max_valid = valid > max_valid ? valid : max_valid;
+            float *p = S[i];
+            correction[i] = 1.f;
+            if (valid == 0) { /* masked (or padding) row: weights zero, state unchanged */
+                for (int t = 0; t < n; t++) p[t] = 0.f;
+                continue;
+            }
+            __m256 mv = _mm256_set1_ps(w->m[r]);
+            for (int c = 0; c < valid; c += 8) {
+                const __m256 live = _mm256_castsi256_ps(lanes_below(valid - c));
+                mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), _mm256_loadu_ps(p + c), live));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float m_new = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            correction[i] = expf(w->m[r] - m_new);
+            __m256 sum = _mm256_setzero_ps();
+            for (int c = 0; c < bsp; c += 8) { /* keys at or past `valid` get weight 0 */
+                const __m256 live = _mm256_castsi256_ps(lanes_below(valid - c));
+                const __m256 e = _mm256_and_ps(live, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + c), _mm256_set1_ps(m_new))));
+                _mm256_storeu_ps(p + c, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            w->l[r] = w->l[r] * correction[i] + hsum8(sum);
+            w->m[r] = m_new;
+        }
+        for (int d0 = 0; d0 < hd; d0 += 16) {
+            __m256 acc[ROW_GROUP][2];
+            for (int i = 0; i < ROW_GROUP; i++) {
+                const float *src = w->acc + (int64_t)(r0 + i) * hd + d0;
+                const __m256 corr = _mm256_set1_ps(correction[i]);
+                acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(src), corr);
+                acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(src + 8), corr);
+            }
+            for (int t = 0; t < max_valid; t++) {
+                const __m256 v0 = _mm256_loadu_ps(v_rows[t] + d0), v1 = _mm256_loadu_ps(v_rows[t] + d0 + 8);
+#pragma GCC unroll 4
+                for (int i = 0; i < ROW_GROUP; i++) {
+                    const __m256 p = _mm256_broadcast_ss(S[i] + t);
+                    acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+                }
+            }
+            for (int i = 0; i < ROW_GROUP; i++) {
+                float *dst = w->acc + (int64_t)(r0 + i) * hd + d0;
+                _mm256_storeu_ps(dst, acc[i][0]);
+                _mm256_storeu_ps(dst + 8, acc[i][1]);
+            }
+        }
+    }
+}
+#define FAST_PREFILL_DIMS 16 /* head_dim multiple for block_update_fast */
 #endif
 
 static void run_item(const Args *a, const Item *it, Scratch *w) {
@@ -269,8 +373,8 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
     memset(w->acc, 0, sizeof(float) * (size_t)(rows + ROW_GROUP) * (size_t)hd);
     const int bsp = (bs + KEY_CHUNK - 1) / KEY_CHUNK * KEY_CHUNK; /* keys padded to whole chunks */
     const int last_pos = first_pos + tile - 1;
-#if defined(__AVX512F__)
-    if (hd % 64 == 0) {
+#if defined(FAST_PREFILL_DIMS)
+    if (hd % FAST_PREFILL_DIMS == 0) {
         /* Spans of whole blocks, up to MAX_BLOCK keys: K transposed into kt, V rows by pointer. */
         const int span_blocks = MAX_BLOCK / bs;
         const float *v_rows[MAX_BLOCK];
@@ -290,7 +394,7 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
                     for (int d = 0; d < hd; d++) w->kt[(int64_t)d * np + t] = 0.f;
                 }
             }
-            block_update_avx512(w, v_rows, hd, rows, group, first_pos, span_start, n, np);
+            block_update_fast(w, v_rows, hd, rows, group, first_pos, span_start, n, np);
         }
     } else
 #endif
