@@ -126,6 +126,7 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
 }
 #endif
 
+#if defined(__AVX512F__) /* the one-head-per-item path (see decode_items) */
 /* Pass 1: scores[g][t] = scale * q_g . k_t over the whole context. */
 static void score_context(const float *q, const float *k_cache, int64_t block_stride, int64_t row_stride,
                           const int32_t *block_table, int seq_len, int kv_head, int group, int head_dim,
@@ -200,12 +201,110 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
     }
 }
 
+#else /* without AVX-512: items of several KV heads (head_range) */
+#if defined(__AVX2__) && defined(__FMA__)
+#include "simd.h"
+#define RANGE_TILES 1
+
+/* dst[0 .. n) = scale * q . k_t for n <= 8 keys (rows row_stride apart), head_dim % 8 == 0: eight FMA
+ * chains, one per key (a missing key repeats the last; not stored), reduced together by sum8. */
+static inline void score_keys8(const float *q, const float *k, int64_t row_stride, int n, int head_dim, float scale,
+                               float *dst) {
+    const float *kt[8];
+    for (int t = 0; t < 8; t++) kt[t] = k + (int64_t)(t < n ? t : n - 1) * row_stride;
+    __m256 p[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) p[t] = _mm256_setzero_ps();
+    for (int c = 0; c < head_dim; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; t++) p[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[t] + c), p[t]);
+    }
+    const __m256 s = _mm256_mul_ps(sum8(p), _mm256_set1_ps(scale));
+    if (n == 8)
+        _mm256_storeu_ps(dst, s);
+    else
+        _mm256_maskstore_ps(dst, lanes_below(n), s);
+}
+#endif
+
+#define RANGE_FLOATS 4096 /* accumulators of one item, rows x head_dim: at least MAX_GROUP x MAX_HEAD_DIM */
+#define RANGE_ROWS 256    /* and its rows (query heads) */
+
+/* KV heads [h0, h1) of one sequence, block by block and row by row: the heads of a token sit side by
+ * side in its cache row, so a range of several heads reads each block as one contiguous run instead
+ * of every head reading its slice of each row in a pass of its own (which left half of every fetched
+ * line to be fetched again). q, out: the sequence's [num_heads, head_dim]; scores: [(h1 - h0) * group,
+ * seq_len] scratch. Each head's values are the same whatever the range (the same operations, in the
+ * same order): a range of one head is the prefill kernel's single-token path. */
+static void head_range(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                       int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
+                       int head_dim, int block_size, float scale, float *scores) {
+    const int num_blocks = (seq_len + block_size - 1) / block_size, rows = (h1 - h0) * group;
+    const float *q0 = q + (int64_t)h0 * group * head_dim;
+    for (int b = 0; b < num_blocks; b++) {
+        const float *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
+        const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+#if defined(RANGE_TILES)
+        if (head_dim % 8 == 0) {
+            for (int i = 0; i < n; i += 8)
+                for (int r = 0; r < rows; r++) /* row r: head h0 + r / group, its K at (r / group) * head_dim */
+                    score_keys8(q0 + (int64_t)r * head_dim, base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim,
+                                row_stride, n - i < 8 ? n - i : 8, head_dim, scale, scores + (int64_t)r * seq_len + b * block_size + i);
+            continue;
+        }
+#endif
+        for (int i = 0; i < n; i++) {
+            const int t = b * block_size + i;
+            for (int r = 0; r < rows; r++)
+                scores[(int64_t)r * seq_len + t] =
+                    dot(q0 + (int64_t)r * head_dim, base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim,
+                        head_dim) * scale;
+        }
+    }
+    float sums[RANGE_ROWS];
+    for (int r = 0; r < rows; r++) { /* softmax weights (unnormalised; divided at the end) */
+        float *row = scores + (int64_t)r * seq_len;
+        float m = -FLT_MAX, sum = 0.f;
+        for (int t = 0; t < seq_len; t++) m = row[t] > m ? row[t] : m;
+        for (int t = 0; t < seq_len; t++) row[t] = expf(row[t] - m);
+        for (int t = 0; t < seq_len; t++) sum += row[t];
+        sums[r] = sum;
+    }
+    float acc[RANGE_FLOATS];
+    memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
+    for (int b = 0; b < num_blocks; b++) {
+        const float *base = v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
+        const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+        for (int i = 0; i < n; i++) {
+            const int t = b * block_size + i;
+            for (int r = 0; r < rows; r++) {
+                const float *v = base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim;
+                const float w = scores[(int64_t)r * seq_len + t];
+                float *a = acc + (int64_t)r * head_dim;
+                for (int d = 0; d < head_dim; d++) a[d] += w * v[d];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const float inv = 1.f / sums[r];
+        for (int d = 0; d < head_dim; d++) out[(int64_t)(h0 * group + r) * head_dim + d] = acc[(int64_t)r * head_dim + d] * inv;
+    }
+}
+#endif
+
 /* One decode row's GQA group (exported for the prefill kernel's single-token rows); scores: [group, seq_len]. */
 void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
                       int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
                       int head_dim, int block_size, float scale, float *scores) {
+#if defined(__AVX512F__)
     one_head(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim,
              block_size, scale, scores);
+#else /* q and out point at the group's first head: head_range counts heads from the row's first */
+    head_range(q - (int64_t)kv_head * group * head_dim, out - (int64_t)kv_head * group * head_dim, k_cache, v_cache,
+               block_stride, row_stride, block_table, seq_len, kv_head, kv_head + 1, group, head_dim, block_size, scale,
+               scores);
+#endif
 }
 
 /* The calling thread's scores buffer (also the prefill kernel's, for its single-token rows), kept
@@ -228,25 +327,36 @@ typedef struct {
     float *out;
     int64_t block_stride, row_stride, bt_stride;
     const int32_t *block_tables, *seq_lens;
-    int num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len;
+    int num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len, heads_per_item;
     float scale;
     atomic_int failed;
 } DecodeArgs;
 
-/* Items s * num_kv_heads + h: sequence s's GQA group of KV head h. */
+/* Items s * ranges + j: sequence s's KV heads [j * heads_per_item, (j + 1) * heads_per_item) (one head per
+ * item with AVX-512: its paths keep one head's accumulators in registers). */
 static void decode_items(void *p, int64_t i0, int64_t i1) {
     DecodeArgs *a = p;
-    float *scores = decode_thread_scores((size_t)a->group * (size_t)(a->max_seq_len > 0 ? a->max_seq_len : 1));
+    const int ranges = (a->num_kv_heads + a->heads_per_item - 1) / a->heads_per_item;
+    float *scores = decode_thread_scores((size_t)a->heads_per_item * (size_t)a->group *
+                                         (size_t)(a->max_seq_len > 0 ? a->max_seq_len : 1));
     if (scores == NULL) {
         atomic_store(&a->failed, 1);
         return;
     }
     for (int64_t i = i0; i < i1; i++) {
-        const int s = (int)(i / a->num_kv_heads), h = (int)(i % a->num_kv_heads);
-        const int64_t offset = ((int64_t)s * a->num_heads + (int64_t)h * a->group) * a->head_dim;
+        const int s = (int)(i / ranges), h0 = (int)(i % ranges) * a->heads_per_item;
+        const int64_t seq_offset = (int64_t)s * a->num_heads * a->head_dim;
+#if defined(__AVX512F__)
+        const int64_t offset = seq_offset + (int64_t)h0 * a->group * a->head_dim;
         one_head(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
-                 a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h, a->group, a->head_dim,
+                 a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h0, a->group, a->head_dim,
                  a->block_size, a->scale, scores);
+#else
+        const int h1 = h0 + a->heads_per_item < a->num_kv_heads ? h0 + a->heads_per_item : a->num_kv_heads;
+        head_range(a->q + seq_offset, a->out + seq_offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
+                   a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h0, h1, a->group, a->head_dim,
+                   a->block_size, a->scale, scores);
+#endif
     }
 }
 
@@ -257,8 +367,18 @@ int paged_decode_f32(const float *q, float *out, const float *k_cache, const flo
                      int max_seq_len) {
     int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads) return 1;
+    /* Every KV head of a sequence in one item where there are enough sequences to share out. */
+    int heads_per_item = 1;
+#if !defined(__AVX512F__)
+    if (num_seqs >= 8) {
+        heads_per_item = RANGE_FLOATS / (group * head_dim);
+        heads_per_item = heads_per_item > RANGE_ROWS / group ? RANGE_ROWS / group : heads_per_item;
+        heads_per_item = heads_per_item > num_kv_heads ? num_kv_heads : heads_per_item < 1 ? 1 : heads_per_item;
+    }
+#endif
     DecodeArgs a = {q, k_cache, v_cache, out, block_stride, row_stride, bt_stride, block_tables, seq_lens,
-                    num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len, scale, 0};
-    pool_for((int64_t)num_seqs * num_kv_heads, 4, decode_items, &a);
+                    num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len, heads_per_item, scale, 0};
+    const int64_t ranges = (num_kv_heads + heads_per_item - 1) / heads_per_item;
+    pool_for((int64_t)num_seqs * ranges, heads_per_item > 1 ? 1 : 4, decode_items, &a);
     return atomic_load(&a.failed) ? 2 : 0;
 }

@@ -45,3 +45,31 @@ def test_kernel_declines_unsupported_shapes():
     ref = torch_ref.paged_attention(query, kv_cache[:, 0, 0], kv_cache[:, 0, 1], meta, 0.3)
     fast = torch_ref.paged_attention_fast(query, kv_cache[:, 0, 0], kv_cache[:, 0, 1], meta, 0.3)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+# Eight or more sequences: each item takes every KV head of a sequence (one contiguous read per cache row).
+@pytest.mark.parametrize("block_size,group,head_dim", [(16, 3, 64), (8, 5, 24), (4, 2, 20)])
+def test_decode_rows_do_not_depend_on_the_batch(block_size, group, head_dim):
+    gen = torch.Generator().manual_seed(block_size * 13 + head_dim)
+    seq_lens = [1, 7, block_size, 2 * block_size + 3, 97, 40, 33, 5, 64, 12]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    ids = torch.randperm(sum(blocks_per_seq) + 4, generator=gen).tolist()
+    tables = [ids[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])] for i in range(len(seq_lens))]
+    meta, _ = build_metadata([SeqChunk(t, s - 1, 1) for t, s in zip(tables, seq_lens, strict=True)], block_size)
+    num_kv_heads = 3
+    kv_cache = torch.randn(len(ids), 2, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = kv_cache[:, 1, 0], kv_cache[:, 1, 1]
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    whole = cpu_kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, 0.3)
+    assert whole is not None
+    ref = torch_ref.paged_attention(query, k_cache, v_cache, meta, 0.3)
+    torch.testing.assert_close(whole, ref, atol=2e-5, rtol=1e-4)
+    for i in (0, 3, 4):  # alone, a sequence takes the one-head items: the same values, bit for bit
+        alone = cpu_kernels.paged_decode(query[i : i + 1], k_cache, v_cache, meta.block_tables[i : i + 1],
+                                         meta.seq_lens_cpu[i : i + 1], 0.3)  # fmt: skip
+        assert alone is not None and torch.equal(alone[0], whole[i])
+    # The prefill kernel's single-token rows (decode rows of a mixed step) agree too.
+    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    mixed = cpu_kernels.paged_prefill(query, k_cache, v_cache, meta.block_tables, starts,
+                                      torch.tensor(seq_lens, dtype=torch.int32), 0.3)  # fmt: skip
+    assert mixed is not None and torch.equal(mixed, whole)
