@@ -293,17 +293,32 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
 }
 #endif
 
-/* One decode row's GQA group (exported for the prefill kernel's single-token rows); scores: [group, seq_len]. */
-void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
-                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+/* The most KV heads one item of decode_heads_f32 takes (1 with AVX-512: its one-head path). */
+int decode_heads_per_item(int num_kv_heads, int group, int head_dim) {
+#if defined(__AVX512F__)
+    (void)num_kv_heads, (void)group, (void)head_dim;
+    return 1;
+#else
+    int heads = RANGE_FLOATS / (group * head_dim);
+    heads = heads > RANGE_ROWS / group ? RANGE_ROWS / group : heads;
+    return heads > num_kv_heads ? num_kv_heads : heads < 1 ? 1 : heads;
+#endif
+}
+
+/* KV heads [h0, h1) of one decode row (exported for the prefill kernel's single-token rows): q, out the
+ * row's [num_heads, head_dim]; scores: [(h1 - h0) * group, seq_len]. The same values as paged_decode_f32. */
+void decode_heads_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
                       int head_dim, int block_size, float scale, float *scores) {
 #if defined(__AVX512F__)
-    one_head(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim,
-             block_size, scale, scores);
-#else /* q and out point at the group's first head: head_range counts heads from the row's first */
-    head_range(q - (int64_t)kv_head * group * head_dim, out - (int64_t)kv_head * group * head_dim, k_cache, v_cache,
-               block_stride, row_stride, block_table, seq_len, kv_head, kv_head + 1, group, head_dim, block_size, scale,
-               scores);
+    for (int h = h0; h < h1; h++) {
+        const int64_t offset = (int64_t)h * group * head_dim;
+        one_head(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, h, group,
+                 head_dim, block_size, scale, scores);
+    }
+#else
+    head_range(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, h0, h1, group, head_dim,
+               block_size, scale, scores);
 #endif
 }
 
@@ -368,14 +383,7 @@ int paged_decode_f32(const float *q, float *out, const float *k_cache, const flo
     int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads) return 1;
     /* Every KV head of a sequence in one item where there are enough sequences to share out. */
-    int heads_per_item = 1;
-#if !defined(__AVX512F__)
-    if (num_seqs >= 8) {
-        heads_per_item = RANGE_FLOATS / (group * head_dim);
-        heads_per_item = heads_per_item > RANGE_ROWS / group ? RANGE_ROWS / group : heads_per_item;
-        heads_per_item = heads_per_item > num_kv_heads ? num_kv_heads : heads_per_item < 1 ? 1 : heads_per_item;
-    }
-#endif
+    const int heads_per_item = num_seqs >= 8 ? decode_heads_per_item(num_kv_heads, group, head_dim) : 1;
     DecodeArgs a = {q, k_cache, v_cache, out, block_stride, row_stride, bt_stride, block_tables, seq_lens,
                     num_heads, num_kv_heads, group, head_dim, block_size, max_seq_len, heads_per_item, scale, 0};
     const int64_t ranges = (num_kv_heads + heads_per_item - 1) / heads_per_item;

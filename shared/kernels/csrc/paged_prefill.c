@@ -34,10 +34,11 @@
 #define ROW_GROUP 4  /* query rows scored together: independent accumulators */
 #define KEY_CHUNK 16 /* keys scored together: one vector of floats */
 
-/* paged_decode.c: one decode row's GQA group; scores is [group, seq_len] scratch. */
-void decode_group_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
-                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
+/* paged_decode.c: KV heads [h0, h1) of one decode row; scores is [(h1 - h0) * group, seq_len] scratch. */
+void decode_heads_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
                       int head_dim, int block_size, float scale, float *scores);
+int decode_heads_per_item(int num_kv_heads, int group, int head_dim);
 float *decode_thread_scores(size_t floats);
 
 typedef struct {
@@ -423,7 +424,7 @@ typedef struct {
     const Args *a;
     const Item *items;
     atomic_int failed;
-    int max_seq_len;
+    int max_seq_len, row_heads; /* row_heads: KV heads per item of a single-token row */
 } PrefillRun;
 
 static void prefill_items(void *p, int64_t i0, int64_t i1) {
@@ -433,7 +434,7 @@ static void prefill_items(void *p, int64_t i0, int64_t i1) {
     /* Kept per thread across calls: a fresh ~600 KB malloc is an mmap and page faults every layer. */
     static __thread Scratch *w = NULL;
     if (w == NULL) w = malloc(sizeof(Scratch));
-    float *scores = decode_thread_scores((size_t)group * (size_t)run->max_seq_len);
+    float *scores = decode_thread_scores((size_t)run->row_heads * (size_t)group * (size_t)run->max_seq_len);
     if (w == NULL || scores == NULL) {
         atomic_store(&run->failed, 1);
         return;
@@ -442,9 +443,10 @@ static void prefill_items(void *p, int64_t i0, int64_t i1) {
         const Item *it = &run->items[i];
         const int q_len = a->query_start_loc[it->seq + 1] - a->query_start_loc[it->seq];
         if (q_len == 1) { /* single-token rows (decode rows of a mixed step) take the decode path: no K transpose */
-            const int64_t offset = ((int64_t)a->query_start_loc[it->seq] * a->num_heads + (int64_t)it->kv_head * group) * a->head_dim;
-            decode_group_f32(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
-                             a->block_tables + (int64_t)it->seq * a->bt_stride, a->seq_lens[it->seq], it->kv_head,
+            const int64_t offset = (int64_t)a->query_start_loc[it->seq] * a->num_heads * a->head_dim;
+            const int h1 = it->kv_head + run->row_heads < a->num_kv_heads ? it->kv_head + run->row_heads : a->num_kv_heads;
+            decode_heads_f32(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
+                             a->block_tables + (int64_t)it->seq * a->bt_stride, a->seq_lens[it->seq], it->kv_head, h1,
                              group, a->head_dim, a->block_size, a->scale, scores);
         } else if (q_len > 1) {
             run_item(a, it, w);
@@ -464,9 +466,12 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
     int64_t num_items = 0;
     int max_seq_len = 1;
     for (int s = 0; s < num_seqs; s++) max_seq_len = seq_lens[s] > max_seq_len ? seq_lens[s] : max_seq_len;
+    /* A single-token row's KV heads in items of row_heads (each reads its cache rows once for them all). */
+    const int row_heads = decode_heads_per_item(num_kv_heads, num_heads / num_kv_heads, head_dim);
+    const int row_items = (num_kv_heads + row_heads - 1) / row_heads;
     for (int s = 0; s < num_seqs; s++) {
         int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        num_items += (int64_t)num_kv_heads * ((q_len + TILE_Q - 1) / TILE_Q);
+        num_items += q_len == 1 ? row_items : (int64_t)num_kv_heads * ((q_len + TILE_Q - 1) / TILE_Q);
     }
     Item *items = malloc(sizeof(Item) * (size_t)(num_items > 0 ? num_items : 1));
     if (items == NULL) return 2;
@@ -474,6 +479,13 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
     /* Later tiles see more keys: list them first so the dynamic schedule ends on short ones. */
     for (int s = 0; s < num_seqs; s++) {
         int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len == 1) {
+            for (int j = 0; j < row_items; j++) {
+                Item it = {s, j * row_heads, 0, 1};
+                items[k++] = it;
+            }
+            continue;
+        }
         for (int begin = ((q_len - 1) / TILE_Q) * TILE_Q; begin >= 0 && q_len > 0; begin -= TILE_Q) {
             for (int h = 0; h < num_kv_heads; h++) {
                 Item it = {s, h, begin, begin + TILE_Q < q_len ? begin + TILE_Q : q_len};
@@ -481,7 +493,7 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
             }
         }
     }
-    PrefillRun run = {&a, items, 0, max_seq_len};
+    PrefillRun run = {&a, items, 0, max_seq_len, row_heads};
     pool_for(num_items, 1, prefill_items, &run);
     free(items);
     return atomic_load(&run.failed) ? 2 : 0;
