@@ -3,7 +3,7 @@
  * holds them (no packed copy). Tiles of R rows x C columns with R * C = 16 (4 x 4, 2 x 8, 1 x 16):
  * per 16 values of k, R rows of x and C rows of w are loaded once and give 16 lane-wise FMAs, and a
  * tile's 16 partial-sum vectors are reduced together in one add tree. Without AVX-512 (AVX2 and FMA:
- * 16 registers of 8 lanes), tiles of 3 x 3, 2 x 4 and 1 x 8, in column blocks that stay in L1.
+ * 16 registers of 8 lanes), tiles of 3 x 4, 2 x 4 and 1 x 8, in column blocks that stay in L1.
  *
  * Every output is the same sequence of operations whatever M, N, the tile shape or the thread that
  * computes it: 16 lanes accumulate k = lane, lane + 16, ... in order, then one fixed tree adds the
@@ -82,11 +82,13 @@ static int block_columns(int k) {
 #include "simd.h"
 
 /* acc[r * C + c] += x_r[kk ..] * w_c[kk ..] lane-wise for 8 values of k (with ``tail``, the lanes
- * outside ``live`` load zeros and add exact zeros); R + C + R * C <= 16 vectors, all in registers. */
+ * outside ``live`` load zeros and add exact zeros). The R rows of x are loaded first, then one column of
+ * w at a time is loaded and used by its R FMAs: R + 1 + R * C <= 16 vectors, all in registers (3 x 4:
+ * twelve accumulators, enough FMA chains in flight to cover the FMA latency). */
 static inline __attribute__((always_inline)) void k_step(const int R, const int C, const float *const *xr,
                                                          const float *const *wc, int kk, const int tail,
                                                          __m256i live, __m256 *acc) {
-    __m256 xv[3], wv[8];
+    __m256 xv[3];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         xv[r] = tail ? _mm256_maskload_ps(xr[r] + kk, live) : _mm256_loadu_ps(xr[r] + kk);
@@ -94,17 +96,15 @@ static inline __attribute__((always_inline)) void k_step(const int R, const int 
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) {
-        wv[c] = tail ? _mm256_maskload_ps(wc[c] + kk, live) : _mm256_loadu_ps(wc[c] + kk);
-        __asm__("" : "+v"(wv[c]));
+        __m256 wv = tail ? _mm256_maskload_ps(wc[c] + kk, live) : _mm256_loadu_ps(wc[c] + kk);
+        __asm__("" : "+v"(wv));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) acc[r * C + c] = _mm256_fmadd_ps(xv[r], wv, acc[r * C + c]);
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int c = 0; c < C; c++) acc[r * C + c] = _mm256_fmadd_ps(xv[r], wv[c], acc[r * C + c]);
 }
 
-/* y[r][c] for r < rows <= R, c < cols <= C, R * C <= 9; missing rows and columns repeat the last real
- * one (their results are not stored). The sums of eight accumulators come from one sum8, a ninth's
+/* y[r][c] for r < rows <= R, c < cols <= C, R * C <= 12; missing rows and columns repeat the last real
+ * one (their results are not stored). The sums of eight accumulators come from one sum8, the others'
  * from hsum8: the same tree either way. */
 static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t ldx,
                                                        const float *w, int64_t ldw, float *y, int64_t ldy,
@@ -114,21 +114,22 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
     for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
 #pragma GCC unroll 8
     for (int c = 0; c < C; c++) wc[c] = w + (int64_t)(c < cols ? c : cols - 1) * ldw;
-    __m256 acc[9];
-#pragma GCC unroll 9
+    __m256 acc[12];
+#pragma GCC unroll 12
     for (int i = 0; i < R * C; i++) acc[i] = _mm256_setzero_ps();
     int kk = 0;
     for (; kk + 8 <= k; kk += 8) k_step(R, C, xr, wc, kk, 0, _mm256_setzero_si256(), acc);
     if (kk < k) k_step(R, C, xr, wc, kk, 1, lanes_below(k - kk), acc); /* the last k % 8 */
-    float s[9];
+    float s[12];
     _mm256_storeu_ps(s, sum8(acc));
-    if (R * C == 9) s[8] = hsum8(acc[8]);
+#pragma GCC unroll 4
+    for (int i = 8; i < R * C; i++) s[i] = hsum8(acc[i]);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) y[(int64_t)r * ldy + c] = s[r * C + c];
 }
 
 #define TILE_A_ROWS 3
-#define TILE_A_COLS 3
+#define TILE_A_COLS 4
 #define TILE_B_COLS 4
 #define TILE_ROW_COLS 8
 #define L1_WEIGHT_BYTES 20480 /* of w per column block: with a tile's rows of x it stays in a 32 KiB L1 */
