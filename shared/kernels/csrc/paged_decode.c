@@ -28,6 +28,19 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* Each of ``rows`` rows of seq_len scores becomes its softmax weights, unnormalised (sums[r] is what
+ * they add up to: the caller divides at the end). */
+static inline void softmax_rows(float *scores, int rows, int seq_len, float *sums) {
+    for (int r = 0; r < rows; r++) {
+        float *row = scores + (int64_t)r * seq_len;
+        float m = -FLT_MAX, sum = 0.f;
+        for (int t = 0; t < seq_len; t++) m = row[t] > m ? row[t] : m;
+        for (int t = 0; t < seq_len; t++) row[t] = expf(row[t] - m);
+        for (int t = 0; t < seq_len; t++) sum += row[t];
+        sums[r] = sum;
+    }
+}
+
 #if defined(__AVX512F__)
 #include "simd.h"
 
@@ -163,14 +176,7 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
                   scale, scores);
     /* Pass 2: softmax weights (unnormalised; divided at the end). */
     float sums[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        float *row = scores + (int64_t)g * seq_len;
-        float m = -FLT_MAX, sum = 0.f;
-        for (int t = 0; t < seq_len; t++) m = row[t] > m ? row[t] : m;
-        for (int t = 0; t < seq_len; t++) row[t] = expf(row[t] - m);
-        for (int t = 0; t < seq_len; t++) sum += row[t];
-        sums[g] = sum;
-    }
+    softmax_rows(scores, group, seq_len, sums);
     /* Pass 3: weighted sum of V rows. */
     const int num_blocks = (seq_len + block_size - 1) / block_size;
 #if defined(__AVX512F__)
@@ -263,14 +269,7 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
         }
     }
     float sums[RANGE_ROWS];
-    for (int r = 0; r < rows; r++) { /* softmax weights (unnormalised; divided at the end) */
-        float *row = scores + (int64_t)r * seq_len;
-        float m = -FLT_MAX, sum = 0.f;
-        for (int t = 0; t < seq_len; t++) m = row[t] > m ? row[t] : m;
-        for (int t = 0; t < seq_len; t++) row[t] = expf(row[t] - m);
-        for (int t = 0; t < seq_len; t++) sum += row[t];
-        sums[r] = sum;
-    }
+    softmax_rows(scores, rows, seq_len, sums);
     float acc[RANGE_FLOATS];
     memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
     for (int b = 0; b < num_blocks; b++) {
