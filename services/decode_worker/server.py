@@ -27,7 +27,7 @@ from shared.cli import env_default
 from shared.engine.async_engine import NewRequest
 from shared.engine.kv_connector import KVConnectorWorker, KVLoad, LoadResult, RemoteKV
 from shared.engine.request import Request
-from shared.engine.sampling_params import InvalidRequestError
+from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc as pb_grpc
 from shared.tracing import mark_error
@@ -121,12 +121,15 @@ class DecodeWorker(WorkerBase):
         # A plain request (no KV to pull, nothing generated elsewhere) is made and queued in one engine
         # command; the others are made first, then resumed or given their pulled blocks.
         plain = not request.generated_token_ids and not request.HasField("kv_handle")
+        # A KV pull makes its request in the command that allocates the blocks (one wait for a step
+        # boundary instead of two before the pull can start).
+        pull = request.HasField("kv_handle") and not request.generated_token_ids
         made: list[Request] = []
         req: Request | None = None
         try:
             params = sampling_from_proto(request.sampling)
             await self.compile_constraint(params)
-            if not plain:
+            if not plain and not pull:
                 req = await self.engine.run(
                     lambda: core.make_request(request.request_id, list(request.prompt_token_ids), params)
                 )
@@ -142,9 +145,8 @@ class DecodeWorker(WorkerBase):
         if request.HasField("kv_handle") and params.use_beam_search:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "beam search runs whole here; send no KV handle")
         if request.HasField("kv_handle"):
-            assert req is not None  # not plain: made above
             with self.tracing.span("kv_transfer", trace.set_span_in_context(span)) as kv_span:
-                admit, transfer = await self._remote_prefill(req, request, context)
+                req, admit, transfer = await self._remote_prefill(request, params, context)
                 self._describe_transfer(kv_span, request.kv_handle, transfer)
             if params.n > 1:
                 matcher = None if params.constraint is None else core.grammar_backend().matcher(params.constraint)
@@ -188,10 +190,23 @@ class DecodeWorker(WorkerBase):
         if transfer.get("kv_recomputed"):
             span.set_status(Status(StatusCode.ERROR, "KV pull failed; prefill recomputed locally"))
 
-    async def _remote_prefill(self, req: Request, request: pb.GenerateRequest, context):
-        """Pull the prompt's KV the local prefix cache lacks; returns how to admit the request and the figures."""
+    async def _remote_prefill(self, request: pb.GenerateRequest, params: SamplingParams, context):
+        """Make the request and pull the prompt's KV the local prefix cache lacks; returns the request, how to
+        admit it and the figures."""
         handle = request.kv_handle
-        req.append_output_token(request.first_token.token_id)
+        core = self.engine.core
+        made: list[Request] = []
+
+        def make() -> Request:
+            made_req = core.make_request(request.request_id, list(request.prompt_token_ids), params)
+            made_req.append_output_token(request.first_token.token_id)
+            made.append(made_req)
+            return made_req
+
+        def free() -> None:  # on the engine thread, after any allocation (commands run in order)
+            if made:
+                connector.free_unjoined(made[0])
+
         if handle.protocol_version != PROTOCOL_VERSION or handle.compat_hash != self.peer_info.compat_hash:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -207,7 +222,7 @@ class DecodeWorker(WorkerBase):
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
-            load = await self.engine.run(lambda: connector.allocate(req, remote))
+            load = await self.engine.run(lambda: connector.allocate(make(), remote))
             if load is None:
                 raise PullFailed("no free KV blocks for the pull")
             planned = load
@@ -224,38 +239,44 @@ class DecodeWorker(WorkerBase):
         except asyncio.CancelledError:
             # The caller went away. Free the blocks (commands run in order, so after any
             # allocation), but only once a running load can no longer write into them.
-            def free(_=None) -> None:
-                self.engine.submit(lambda: connector.free_unjoined(req), "free_unjoined")
+            def free_later(_=None) -> None:
+                self.engine.submit(free, "free_unjoined")
 
             if pending is not None:
                 pending.cancel()  # not started yet: it never will
-                pending.add_done_callback(free)
+                pending.add_done_callback(free_later)
             else:
-                free()
+                free_later()
             raise
         except InvalidRequestError as e:
             self.kv_loader.release_remote(remote)
             await self.invalid(context, e)
         except (PullFailed, KVTransferError, KVCompatibilityError, grpc.aio.AioRpcError) as e:
             if load is not None:
-                await self.engine.run(lambda: connector.free_unjoined(req))
+                await self.engine.run(free)
             self.metrics.kv_failures.inc()
             if isinstance(e, KVCompatibilityError):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             if self.args.kv_pull_failure_policy == "fail":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull failed: {e}")
-            logger.warning("kv_pull_failed request_id=%s policy=recompute error=%s", req.request_id, e)
+            logger.warning("kv_pull_failed request_id=%s policy=recompute error=%s", request.request_id, e)
             self.metrics.kv_recomputes.inc()
             self.kv_loader.release_remote(remote)
-            return None, {"kv_recomputed": True}
+            if not made:  # the lease expired before the request was made
+                try:
+                    await self.engine.run(make)
+                except InvalidRequestError as invalid:
+                    await self.invalid(context, invalid)
+            return made[0], None, {"kv_recomputed": True}
         self.kv_loader.release_remote(remote)
         assert load is not None
+        req = made[0]
         if load.num_blocks:
             self.metrics.observe_kv_pull(result.num_bytes, result.seconds, result.num_descriptors)
         logger.debug("kv_load request_id=%s local_tokens=%d remote_tokens=%d blocks=%d bytes=%d", req.request_id,
                      load.num_local_tokens, load.num_remote_tokens, load.num_blocks, result.num_bytes)  # fmt: skip
         transfer = {"kv_transfer_bytes": result.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
-        return (lambda r: connector.finish_load(r, load)), transfer
+        return req, (lambda r: connector.finish_load(r, load)), transfer
 
     def _release(self, remote: RemoteKV) -> None:
         """Event loop: tell the prefill worker its leased blocks may go (in the background; failures logged)."""
