@@ -195,6 +195,7 @@ class DecodeWorker(WorkerBase):
         admit it and the figures."""
         handle = request.kv_handle
         core = self.engine.core
+        connector = core.kv_connector
         made: list[Request] = []
 
         def make() -> Request:
@@ -214,7 +215,6 @@ class DecodeWorker(WorkerBase):
                 f"{handle.compat_hash}, this decode worker expects protocol {PROTOCOL_VERSION} hash "
                 f"{self.peer_info.compat_hash}. Start all workers with the same model, --dtype and --block-size.",
             )
-        connector = self.engine.core.kv_connector
         start = time.perf_counter()
         remote = remote_kv(handle, peer_id="")  # the peer id is known after the handshake
         load: KVLoad | None = None

@@ -148,7 +148,6 @@ static void score_context(const float *q, const float *k_cache, int64_t block_st
     for (int b = 0; b < num_blocks; b++) {
         const float *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
-#if defined(__AVX512F__)
         if (head_dim % 16 == 0) {
             /* Blocks sit anywhere: start loading the one PREFETCH_AHEAD on (the blocks before it at the start). */
             for (int p = b == 0 ? 1 : b + PREFETCH_AHEAD; p <= b + PREFETCH_AHEAD && p < num_blocks; p++)
@@ -159,7 +158,6 @@ static void score_context(const float *q, const float *k_cache, int64_t block_st
                            scale, scores, seq_len, b * block_size + i);
             continue;
         }
-#endif
         for (int i = 0; i < n; i++) {
             const float *k = base + (int64_t)i * row_stride;
             for (int g = 0; g < group; g++)
@@ -179,13 +177,11 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
     softmax_rows(scores, group, seq_len, sums);
     /* Pass 3: weighted sum of V rows. */
     const int num_blocks = (seq_len + block_size - 1) / block_size;
-#if defined(__AVX512F__)
     if (head_dim % 64 == 0) {
         weigh_values(scores, v_cache, block_stride, row_stride, block_table, seq_len, kv_head, group, head_dim,
                      block_size, sums, out);
         return;
     }
-#endif
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     memset(acc, 0, sizeof(float) * (size_t)group * (size_t)head_dim);
     for (int b = 0; b < num_blocks; b++) {
@@ -359,18 +355,11 @@ static void decode_items(void *p, int64_t i0, int64_t i1) {
     }
     for (int64_t i = i0; i < i1; i++) {
         const int s = (int)(i / ranges), h0 = (int)(i % ranges) * a->heads_per_item;
-        const int64_t seq_offset = (int64_t)s * a->num_heads * a->head_dim;
-#if defined(__AVX512F__)
-        const int64_t offset = seq_offset + (int64_t)h0 * a->group * a->head_dim;
-        one_head(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
-                 a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h0, a->group, a->head_dim,
-                 a->block_size, a->scale, scores);
-#else
         const int h1 = h0 + a->heads_per_item < a->num_kv_heads ? h0 + a->heads_per_item : a->num_kv_heads;
-        head_range(a->q + seq_offset, a->out + seq_offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
-                   a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h0, h1, a->group, a->head_dim,
-                   a->block_size, a->scale, scores);
-#endif
+        const int64_t seq_offset = (int64_t)s * a->num_heads * a->head_dim;
+        decode_heads_f32(a->q + seq_offset, a->out + seq_offset, a->k_cache, a->v_cache, a->block_stride,
+                         a->row_stride, a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h0, h1, a->group,
+                         a->head_dim, a->block_size, a->scale, scores);
     }
 }
 
