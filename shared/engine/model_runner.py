@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from shared.engine.cpu_alloc import huge_page_mapping
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.pooling import Pooler
 from shared.engine.prompt_logprobs import compute_prompt_logprobs
@@ -29,14 +29,15 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV cache. On CPU it is backed by an anonymous mapping, whose pages the
-    OS supplies (zeroed) on first touch: resident memory grows with the blocks in use,
-    not with the budget."""
+    """A zeroed KV cache. On CPU it is backed by an anonymous mapping (huge pages where the
+    OS has them), whose pages the OS supplies (zeroed) on first touch: resident memory grows
+    with the blocks in use, not with the budget."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    count = math.prod(shape)
+    buffer, offset = huge_page_mapping(count * torch.tensor([], dtype=dtype).element_size())
+    # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from shared.engine.cpu_alloc import huge_page_mapping
 from shared.models.config import ModelConfig, ModelLoadError, load_model_config
 from shared.models.llama import LlamaModel
 
@@ -113,4 +114,24 @@ def load_model(
     else:
         load_weights(model, model_dir)
     model.eval()
+    if model.embed_tokens.weight.device.type == "cpu":
+        move_to_huge_pages(model)
     return model, config
+
+
+def move_to_huge_pages(model: torch.nn.Module, align: int = 64) -> None:
+    """Move every parameter into one mapping backed by huge pages (see ``cpu_alloc``): a decode step
+    streams all the weights, and on 4 KiB pages each page costs a TLB miss."""
+    params = list(model.parameters())
+    offsets, end = [], 0
+    for p in params:
+        offsets.append(end)
+        end += -(-p.numel() * p.element_size() // align) * align
+    buffer, base = huge_page_mapping(end)
+    arena = torch.frombuffer(buffer, dtype=torch.uint8, count=end, offset=base)  # keeps the mapping alive
+    with torch.no_grad():
+        for p, offset in zip(params, offsets, strict=True):
+            nbytes = p.numel() * p.element_size()
+            moved = arena[offset : offset + nbytes].view(p.dtype).view(p.shape)
+            moved.copy_(p.data)
+            p.data = moved
