@@ -222,7 +222,9 @@ class DecodeWorker(WorkerBase):
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
-            load = await self.engine.run(lambda: connector.allocate(make(), remote))
+            # Allocating touches no request of the step in flight: it runs during the forward, so the
+            # pull overlaps that step and the request can join the next one.
+            load = await self.engine.run_soon(lambda: connector.allocate(make(), remote))
             if load is None:
                 raise PullFailed("no free KV blocks for the pull")
             planned = load

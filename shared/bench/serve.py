@@ -143,6 +143,8 @@ async def run(args, workload: list[BenchRequest]) -> dict:
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
         **_summary([r.ttft for r in ok], "ttft"), **_summary(tpots, "tpot"),
         **_summary([x for r in ok for x in r.itls], "itl"), **_summary([r.e2el for r in ok], "e2el"),
+        # The gap after the first token: a disaggregated server's hand-off from prefill to decode.
+        **_summary([r.itls[0] for r in ok if r.itls], "first_itl"),
     }  # fmt: skip
     errors = [r.error for r in results if not r.ok]
     if errors:

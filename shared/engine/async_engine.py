@@ -2,7 +2,11 @@
 requests arriving on many RPCs batch together; asyncio callers stream deltas.
 
 All engine state is touched only on the engine thread: callers submit
-commands (plain callables) that run between steps.
+commands (plain callables) that run between steps. The one exception is
+``run_soon``: while the engine thread computes a step's forward and samples it
+(which read only the step's own plan), it leaves the state to a caller, so a
+command that needs no step boundary (allocating a KV pull's blocks) runs at
+once instead of waiting for the step to end.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class AsyncEngine:
         # The last idle-time ownership check's findings ("" while used blocks match their owners).
         self.ownership_error = ""
         self._idle_checked = False
+        # Held by the engine thread except while a step's forward runs (see run_soon).
+        self._state = threading.Lock()
+        self._in_forward = False
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -71,6 +78,17 @@ class AsyncEngine:
                 self._publish_all(pending)
                 pending.clear()
 
+        def open_state() -> None:  # the forward starts: it reads only the step's plan
+            flush()
+            self._in_forward = True
+            self._state.release()
+
+        def close_state() -> None:  # before the step's outputs update the scheduler
+            if self._in_forward:
+                self._state.acquire()
+                self._in_forward = False
+
+        self._state.acquire()
         try:
             while not self._stopped:
                 if not self._commands.empty():
@@ -86,7 +104,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._idle_checked = False
-                deltas = self.core.step(before_forward=flush)
+                deltas = self.core.step(before_forward=open_state, after_execute=close_state)
                 pending.extend(deltas)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop failed")
@@ -172,6 +190,21 @@ class AsyncEngine:
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
+
+    async def run_soon(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` at once on this thread if the engine thread is computing a forward, else between
+        steps (as ``run``).
+
+        Only for commands that touch no request of the step in flight and do not change the running
+        batch: making a request and allocating blocks for it qualify; admitting, aborting or freeing a
+        scheduled request's blocks do not.
+        """
+        if self.error is None and self._state.acquire(blocking=False):
+            try:
+                return fn()
+            finally:
+                self._state.release()
+        return await self.run(fn)
 
     async def stream(
         self, request: Request | NewRequest, admit: Callable[[Request], None] | None = None

@@ -296,13 +296,22 @@ class EngineCore:
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestOutputDelta]:
+    def step(
+        self,
+        before_forward: Callable[[], None] | None = None,
+        after_execute: Callable[[], None] | None = None,
+    ) -> list[RequestOutputDelta]:
         """One iteration: schedule, run the model, sample, update. ``before_forward`` runs just before the
-        model's forward, while nothing of this step has changed what callers see."""
+        model's forward, while nothing of this step has changed what callers see; ``after_execute`` once
+        the tokens are sampled, before the scheduler sees them."""
         if self.thread_governor is not None:
             self.thread_governor.before_step()
         sched = self.scheduler.schedule()
-        samples = self.runner.execute(sched, before_forward)
+        try:
+            samples = self.runner.execute(sched, before_forward)
+        finally:
+            if after_execute is not None:
+                after_execute()
         embeddings = self.runner.take_embeddings()
         for request_id, (first_position, scored) in self.runner.take_prompt_logprobs().items():
             scored_request = self.scheduler.requests.get(request_id)

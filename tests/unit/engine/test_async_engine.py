@@ -137,13 +137,13 @@ def test_a_steps_tokens_are_published_when_the_next_forward_starts(checkpoint_fa
         events.append("publish")
         real_publish(deltas)
 
-    def step(before_forward=None):
+    def step(before_forward=None, after_execute=None):
         def before():
             events.append("before_forward")
             if before_forward is not None:
                 before_forward()
 
-        deltas = real_step(before)
+        deltas = real_step(before, after_execute)
         events.append(f"step:{len(deltas)}")
         return deltas
 
@@ -175,7 +175,7 @@ def test_commands_queued_when_the_loop_dies_fail_instead_of_hanging(checkpoint_f
     engine = make_engine(checkpoint_factory("llama"))
     in_step, release = threading.Event(), threading.Event()
 
-    def failing_step(before_forward=None):
+    def failing_step(before_forward=None, after_execute=None):
         in_step.set()
         release.wait(10)
         raise RuntimeError("boom")
@@ -227,4 +227,57 @@ def test_a_new_request_is_made_and_queued_in_one_command_and_a_duplicate_id_leav
         assert len(commands) - n_before == 2
         assert engine.core.stats().num_free_blocks == engine.core.num_blocks
     finally:
+        engine.shutdown()
+
+
+def test_run_soon_runs_during_the_forward_of_the_step_in_flight(checkpoint_factory):
+    """A command that needs no step boundary (a KV pull's allocation) runs while a forward computes,
+    not after the step; between steps it waits for the boundary like any command."""
+    engine = make_engine(checkpoint_factory("llama"))
+    in_forward, release = threading.Event(), threading.Event()
+    real_step = engine.core.step
+    step_done = []
+
+    def step(before_forward=None, after_execute=None):
+        def before():
+            before_forward()
+            in_forward.set()
+            release.wait(10)  # the forward "computes" until the test has run its command
+
+        deltas = real_step(before, after_execute)
+        step_done.append(True)
+        return deltas
+
+    engine.core.step = step
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    async def run():
+        stream = engine.generate("busy", [5, 6, 7, 8], params)
+        consume = asyncio.ensure_future(stream.__anext__())
+        while not in_forward.is_set():
+            await asyncio.sleep(0.005)
+        made = await engine.run_soon(lambda: engine.core.make_request("pulled", [9, 10, 11], params))
+        assert not step_done  # it ran inside the step in flight
+        release.set()
+        await consume
+        await stream.aclose()
+        return made
+
+    try:
+        made = asyncio.run(run())
+        assert made.request_id == "pulled" and step_done
+        gate = threading.Event()
+        blocker = engine.call(gate.wait)  # the engine thread between steps, holding the state
+
+        async def between_steps():
+            soon = asyncio.ensure_future(engine.run_soon(lambda: 7))
+            await asyncio.sleep(0.05)
+            assert not soon.done()  # waits for the boundary
+            gate.set()
+            return await soon
+
+        assert asyncio.run(between_steps()) == 7
+        blocker.result(timeout=10)
+    finally:
+        release.set()
         engine.shutdown()
