@@ -54,6 +54,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return flags.parse_known_args(parser, argv)
 
 
+# A prefill worker's niceness under the CPU split. A prefill step computes for tens of milliseconds
+# without pause; at the same priority the router's event loop, woken for each token, sometimes
+# waited behind it. Bursts of 64 on 2 cores, alternating (nice 0 / 10): the hand-off's median ITL
+# 88-97 / 68-90 ms, p99 ITL 66-85 / 58-90 ms, throughput and TTFT within noise.
+PREFILL_NICENESS = 10
+
+
 def split_cpus(args: argparse.Namespace, worker_args: list[str]) -> tuple[frozenset[int], frozenset[int]] | None:
     """(prefill workers and router, decode workers) CPU sets, or None where every process shares all CPUs:
     --cpu-split off, aggregated serving (no prefill workers), fewer than 2 CPUs, or workers on a GPU."""
@@ -172,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"decode={','.join(map(str, sorted(split[1])))} (--cpu-split off to share them all)",
                 flush=True,
             )
-        pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", common, prefill_cpus)
+        # Under the split the prefill workers share their CPUs with the router, which forwards every
+        # token of every stream: they yield to it (see PREFILL_NICENESS).
+        niceness = PREFILL_NICENESS if split is not None else 0
+        pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", common, prefill_cpus, niceness)
                    for i in range(args.prefill_workers)]  # fmt: skip
         pending += [cluster.start(f"decode-{i}", "services.decode_worker", common, decode_cpus)
                     for i in range(args.decode_workers)]  # fmt: skip

@@ -41,14 +41,17 @@ class Child:
     restart_at: float | None = None  # monotonic time of the pending restart
     info: dict[str, str] = field(default_factory=dict)  # its CLEAVE_READY fields
     cpus: frozenset[int] | None = None  # the CPUs it may run on (None: the launcher's)
+    niceness: int = 0  # added to the launcher's (lower priority for positive values)
 
 
-def child_setup(cpus: frozenset[int] | None = None) -> None:
+def child_setup(cpus: frozenset[int] | None = None, niceness: int = 0) -> None:
     """In the child: its own session (Ctrl-C reaches only the launcher, which stops
-    children in order), SIGTERM if the launcher dies without cleaning up, and its CPUs."""
+    children in order), SIGTERM if the launcher dies without cleaning up, its CPUs and its priority."""
     os.setsid()
     if cpus:
         os.sched_setaffinity(0, cpus)
+    if niceness:
+        os.nice(niceness)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -70,8 +73,10 @@ class Supervisor:
         self.stopping = False
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
 
-    def start(self, name: str, module: str, args: list[str], cpus: frozenset[int] | None = None) -> Child:
-        child = Child(name, module, list(args), cpus=cpus)
+    def start(
+        self, name: str, module: str, args: list[str], cpus: frozenset[int] | None = None, niceness: int = 0
+    ) -> Child:
+        child = Child(name, module, list(args), cpus=cpus, niceness=niceness)
         self.children.append(child)
         self._spawn(child)
         return child
@@ -79,7 +84,7 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(
             [sys.executable, "-m", child.module, *child.args], stdout=subprocess.PIPE, text=True, bufsize=1,
-            preexec_fn=lambda: child_setup(child.cpus),
+            preexec_fn=lambda: child_setup(child.cpus, child.niceness),
         )  # fmt: skip
         child.started_at = time.monotonic()
         child.restart_at = None

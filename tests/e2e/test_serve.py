@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 
+from shared.launcher import PREFILL_NICENESS
 from tests.integration.cluster import ROOT, free_port
 
 
@@ -50,7 +51,7 @@ def _assert_registered(lines: list[str], count: int) -> None:
 
 def _assert_cpu_split(children: list[int]) -> None:
     """By default (no GPU, at least 2 CPUs) the decode worker runs on the upper half of the CPUs, the
-    prefill worker and the router on the lower half."""
+    prefill worker and the router on the lower half, where the prefill worker yields to the router."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or os.path.exists("/dev/nvidiactl"):
         return
@@ -64,6 +65,9 @@ def _assert_cpu_split(children: list[int]) -> None:
         for module, want in expected.items():
             if f"-m {module} " in cmdline:
                 assert os.sched_getaffinity(pid) == want, (module, os.sched_getaffinity(pid))
+                niceness = os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0)
+                want_niceness = PREFILL_NICENESS if module == "services.prefill_worker" else 0
+                assert niceness == min(want_niceness, 19 - os.getpriority(os.PRIO_PROCESS, 0)), (module, niceness)
                 seen.add(module)
     assert seen == set(expected)
 
