@@ -109,19 +109,21 @@ def load_model(
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     model = LlamaModel(config, dtype=resolve_dtype(dtype, config), device=device)
+    if model.embed_tokens.weight.device.type == "cpu":
+        place_in_huge_pages(model)  # before the weights arrive: nothing to copy, nothing left behind
     if str(model_dir).lower().endswith(".gguf"):
         load_gguf_weights(model, model_dir)
     else:
         load_weights(model, model_dir)
     model.eval()
-    if model.embed_tokens.weight.device.type == "cpu":
-        move_to_huge_pages(model)
     return model, config
 
 
-def move_to_huge_pages(model: torch.nn.Module, align: int = 64) -> None:
-    """Move every parameter into one mapping backed by huge pages (see ``cpu_alloc``): a decode step
-    streams all the weights, and on 4 KiB pages each page costs a TLB miss."""
+def place_in_huge_pages(model: torch.nn.Module, align: int = 64) -> None:
+    """Give every parameter new, zeroed storage in one mapping backed by huge pages (see ``cpu_alloc``):
+    a decode step streams all the weights, and on 4 KiB pages each page costs a TLB miss. Their values
+    are not kept: call it before loading the weights (moving loaded weights would leave their old
+    storage resident in the heap)."""
     params = list(model.parameters())
     offsets, end = [], 0
     for p in params:
@@ -129,9 +131,5 @@ def move_to_huge_pages(model: torch.nn.Module, align: int = 64) -> None:
         end += -(-p.numel() * p.element_size() // align) * align
     buffer, base = huge_page_mapping(end)
     arena = torch.frombuffer(buffer, dtype=torch.uint8, count=end, offset=base)  # keeps the mapping alive
-    with torch.no_grad():
-        for p, offset in zip(params, offsets, strict=True):
-            nbytes = p.numel() * p.element_size()
-            moved = arena[offset : offset + nbytes].view(p.dtype).view(p.shape)
-            moved.copy_(p.data)
-            p.data = moved
+    for p, offset in zip(params, offsets, strict=True):
+        p.data = arena[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)

@@ -60,8 +60,8 @@ def test_the_kv_cache_and_the_weights_sit_in_advised_mappings(checkpoint_factory
     params = dict(model.named_parameters())
     assert all(p.is_contiguous() and p.data_ptr() % 64 == 0 for p in params.values())
     assert all("hg" in vm_flags(p.data_ptr()) for p in params.values())
-    # moved, not changed: the same values as a load that stays where torch allocated
-    monkeypatch.setattr(loader, "move_to_huge_pages", lambda model: None)
+    # the same values as a load into the storage torch allocated
+    monkeypatch.setattr(loader, "place_in_huge_pages", lambda model: None)
     plain = dict(load_model(model_dir, "float32")[0].named_parameters())
     assert params.keys() == plain.keys()
     assert all(torch.equal(params[name], plain[name]) for name in params)
