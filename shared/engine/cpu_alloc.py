@@ -22,6 +22,8 @@ import mmap
 import os
 import sys
 
+from shared.flags import FALSE_WORDS
+
 logger = logging.getLogger("cleave.engine")
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -55,7 +57,7 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 <<
 
 def huge_pages_enabled() -> bool:
     """``CLEAVE_HUGE_PAGES=0`` keeps ordinary pages."""
-    return os.environ.get("CLEAVE_HUGE_PAGES", "1").lower() not in ("0", "false", "no", "off")
+    return (os.environ.get("CLEAVE_HUGE_PAGES") or "1").lower() not in FALSE_WORDS  # unset or empty: on
 
 
 def huge_page_mapping(num_bytes: int) -> tuple[mmap.mmap, int]:

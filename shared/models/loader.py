@@ -125,11 +125,12 @@ def place_in_huge_pages(model: torch.nn.Module, align: int = 64) -> None:
     are not kept: call it before loading the weights (moving loaded weights would leave their old
     storage resident in the heap)."""
     params = list(model.parameters())
+    sizes = [p.numel() * p.element_size() for p in params]
     offsets, end = [], 0
-    for p in params:
+    for size in sizes:
         offsets.append(end)
-        end += -(-p.numel() * p.element_size() // align) * align
+        end += -(-size // align) * align
     buffer, base = huge_page_mapping(end)
     arena = torch.frombuffer(buffer, dtype=torch.uint8, count=end, offset=base)  # keeps the mapping alive
-    for p, offset in zip(params, offsets, strict=True):
-        p.data = arena[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+    for p, offset, size in zip(params, offsets, sizes, strict=True):
+        p.data = arena[offset : offset + size].view(p.dtype).view(p.shape)
