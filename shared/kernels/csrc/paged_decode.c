@@ -41,7 +41,7 @@ static inline void softmax_rows(float *scores, int rows, int seq_len, float *sum
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
 
 #ifndef PREFETCH_AHEAD
@@ -53,6 +53,9 @@ static inline void prefetch_rows(const float *base, int64_t row_stride, int rows
     for (int i = 0; i < rows; i++)
         for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T0);
 }
+#endif
+
+#if defined(__AVX512F__)
 
 /* scores[g][t0 .. t0 + n) = scale * q_g . k_t for n <= 16 keys whose rows start at k (row_stride apart). */
 static inline void score_keys(const float *q, const float *k, int64_t row_stride, int n, int group, int head_dim,
@@ -205,8 +208,10 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
 
 #else /* without AVX-512: items of several KV heads (head_range) */
 #if defined(__AVX2__) && defined(__FMA__)
-#include "simd.h"
 #define RANGE_TILES 1
+#ifndef RANGE_AHEAD
+#define RANGE_AHEAD 1
+#endif
 
 /* dst[0 .. n) = scale * q . k_t for n <= 8 keys (rows row_stride apart), head_dim % 8 == 0: eight FMA
  * chains, one per key (a missing key repeats the last; not stored), reduced together by sum8. */
@@ -249,10 +254,14 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
 #if defined(RANGE_TILES)
         if (head_dim % 8 == 0) {
-            for (int i = 0; i < n; i += 8)
+            for (int i = 0; i < n; i += 8) {
+                if (b + RANGE_AHEAD < num_blocks)
+                    prefetch_rows(k_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
+                                  row_stride, 8, (h1 - h0) * head_dim);
                 for (int r = 0; r < rows; r++) /* row r: head h0 + r / group, its K at (r / group) * head_dim */
                     score_keys8(q0 + (int64_t)r * head_dim, base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim,
                                 row_stride, n - i < 8 ? n - i : 8, head_dim, scale, scores + (int64_t)r * seq_len + b * block_size + i);
+            }
             continue;
         }
 #endif
@@ -273,6 +282,11 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
         for (int i = 0; i < n; i++) {
             const int t = b * block_size + i;
+#if defined(RANGE_TILES)
+            if (b + RANGE_AHEAD < num_blocks)
+                prefetch_rows(v_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
+                              row_stride, 1, (h1 - h0) * head_dim);
+#endif
             for (int r = 0; r < rows; r++) {
                 const float *v = base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim;
                 const float w = scores[(int64_t)r * seq_len + t];
