@@ -35,6 +35,7 @@ from torch import Tensor
 
 from shared.engine.sampling_params import GREEDY_EPSILON, SamplingParams
 from shared.engine.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
+from shared.kernels import cpu_kernels
 
 _NEG_INF = float("-inf")
 
@@ -241,6 +242,17 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+def greedy_argmax(logits: Tensor) -> Tensor:
+    """The first largest value's index in each row [B, V] -> [B] (a NaN counts as largest), as
+    ``max(dim=-1).indices`` computes it; on the CPU in one vectorised pass per row (torch's reduction
+    compares one element at a time: ~0.5 ms for 64 rows of a 7k vocabulary, a fiftieth of a step)."""
+    if logits.device.type == "cpu":
+        ids = cpu_kernels.argmax(logits)
+        if ids is not None:
+            return ids
+    return logits.max(dim=-1).indices  # the same first maximal index as argmax, faster on the CPU
+
+
 def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | None], seeded_rows: list[int]) -> Tensor:
     """argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i]: [B] int64."""
     noise = torch.empty_like(probs).exponential_()  # [B, V]
@@ -248,7 +260,7 @@ def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | No
         noise[row].exponential_(generator=generators[row])
     # A zero draw would turn a removed token's 0 / 0 into NaN, which argmax would pick.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).max(dim=-1).indices  # argmax; max().indices is faster on the CPU
+    return greedy_argmax(probs / noise)
 
 
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Tensor:
@@ -304,8 +316,7 @@ class Sampler:
     @staticmethod
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
         """Greedy rows take the argmax; the others sample from the filtered, tempered distribution."""
-        # max().indices: the same first maximal index as argmax, three times faster on the CPU.
-        greedy_ids = logits.max(dim=-1).indices if batch.any_greedy else None  # [B]
+        greedy_ids = greedy_argmax(logits) if batch.any_greedy else None  # [B]
         if batch.all_greedy:
             assert greedy_ids is not None
             return greedy_ids

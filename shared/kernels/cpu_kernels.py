@@ -138,6 +138,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.add_rms_norm_f32.restype = None
     lib.silu_mul_f32.argtypes = [ptr, i64, ptr, i32, i32]
     lib.silu_mul_f32.restype = None
+    lib.argmax_rows_f32.argtypes = [ptr, i64, ptr, i32, i32]
+    lib.argmax_rows_f32.restype = None
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32.restype = None
@@ -288,6 +290,18 @@ def silu_mul(gate_up: torch.Tensor, size: int) -> torch.Tensor | None:  # [rows,
     assert lib is not None
     out = torch.empty(gate_up.shape[0], size, dtype=gate_up.dtype)
     lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], size)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [rows, n] -> [rows] int64
+    """``x.max(dim=-1).indices`` (the first largest value of each row, or its first NaN) in one vectorised
+    pass per row; None where it does not apply."""
+    if not (_f32_rows(x) and x.shape[1] > 0 and load() is not None):
+        return None
+    lib = load()
+    assert lib is not None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1])
     return out
 
 
