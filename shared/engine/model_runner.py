@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -103,18 +104,27 @@ class ModelRunner:
         padded = [list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in sched.seqs]
         block_tables = torch.tensor(padded, dtype=torch.int32)  # [S, max_blocks]
         input_ids = torch.tensor([t for s in sched.seqs for t in s.token_ids], dtype=torch.int64)  # [T]
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
-        starts = torch.tensor([s.start_pos for s in sched.seqs], dtype=torch.int64)
-        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(q_lens, 0)
-        positions = starts[seq_index] + torch.arange(len(input_ids)) - cu[:-1][seq_index]  # [T]
-        block_of_token = block_tables[seq_index, positions // self.block_size].long()  # [T]
-        slot_mapping = block_of_token * self.block_size + positions % self.block_size  # [T]
+        # Positions and slots from Python ranges, a run per block: torch's index ops here would each
+        # start a parallel region, whose threads then spin on the cores the forward is about to use.
+        bs = self.block_size
+        positions_list: list[int] = []
+        slots: list[int] = []
+        for s, end in zip(sched.seqs, seq_lens, strict=True):
+            pos = s.start_pos
+            positions_list.extend(range(pos, end))
+            while pos < end:
+                block, offset = divmod(pos, bs)
+                run = min(bs - offset, end - pos)
+                first = s.block_ids[block] * bs + offset
+                slots.extend(range(first, first + run))
+                pos += run
+        positions = torch.tensor(positions_list, dtype=torch.int64)  # [T]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)  # [T]
+        cu = torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32)  # [S + 1]
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(device),
-            query_start_loc=cu.to(torch.int32).to(device),
+            query_start_loc=cu.to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=block_tables.to(device),
             max_query_len=max(query_lens),
@@ -169,7 +179,9 @@ class ModelRunner:
                 generators.append(self._generator(sample_id, sample_seed, len(seq.output_token_ids)))
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [B, vocab]
+        # Rows ascend, one or more per sequence: as many as tokens means every token (a decode step), no gather.
+        last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(last)  # [B, vocab]
         batch = SamplingBatch.build(
             params, prompts, outputs, generators, self.eos_token_ids, logits.shape[-1], self.device
         )

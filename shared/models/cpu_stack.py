@@ -150,8 +150,10 @@ class CpuStack:
             self._point_at_weights()
         model = self.model
         hidden = model.embed_tokens(input_ids)  # [T, hidden]: the residual stream, updated in place
-        cos = model.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
-        sin = model.rope_sin[positions].to(hidden.dtype)
+        # index_select, not [positions]: torch's indexing starts a parallel region even for a few rows, and
+        # its threads then spin for milliseconds on the core the native forward's helper needs.
+        cos = model.rope_cos.index_select(0, positions).to(hidden.dtype)  # [T, head_dim]
+        sin = model.rope_sin.index_select(0, positions).to(hidden.dtype)
         num_tokens = hidden.shape[0]
         slot_mapping = meta.slot_mapping.to(torch.int64).contiguous()
         block_tables = meta.block_tables.to(torch.int32).contiguous()

@@ -273,8 +273,8 @@ class LlamaModel(nn.Module):
         if before_compute is not None:
             before_compute()
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
-        cos = self.rope_cos[positions].to(hidden.dtype)  # [T, head_dim]
-        sin = self.rope_sin[positions].to(hidden.dtype)  # [T, head_dim]
+        cos = self.rope_cos.index_select(0, positions).to(hidden.dtype)  # [T, head_dim]
+        sin = self.rope_sin.index_select(0, positions).to(hidden.dtype)  # [T, head_dim]
         if cpu_kernels.fuses_residual(hidden):
             mlp_out: torch.Tensor | None = None
             residual = hidden
