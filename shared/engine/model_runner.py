@@ -16,6 +16,7 @@ from shared.engine.prompt_logprobs import compute_prompt_logprobs
 from shared.engine.request import TokenSample
 from shared.engine.sampler import Sampler, SamplingBatch, make_generator, token_seed
 from shared.engine.scheduler import SchedulerOutput
+from shared.kernels import cpu_kernels
 from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaModel
@@ -39,6 +40,16 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     buffer, offset = huge_page_mapping(count * torch.tensor([], dtype=dtype).element_size())
     # the tensor keeps the mapping alive
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def select_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden[rows]``, on the CPU without starting torch's parallel threads (see csrc/rows.c)."""
+    index = torch.tensor(rows, device=hidden.device)
+    if hidden.device.type == "cpu":
+        picked = cpu_kernels.gather_rows(hidden, index)
+        if picked is not None:
+            return picked
+    return hidden[index]
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -180,7 +191,7 @@ class ModelRunner:
         if not rows:
             return {}
         # Rows ascend, one or more per sequence: as many as tokens means every token (a decode step), no gather.
-        last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
+        last = hidden if len(rows) == hidden.shape[0] else select_rows(hidden, rows)
         logits = self.model.compute_logits(last)  # [B, vocab]
         batch = SamplingBatch.build(
             params, prompts, outputs, generators, self.eos_token_ids, logits.shape[-1], self.device

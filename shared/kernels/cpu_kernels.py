@@ -140,6 +140,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul_f32.restype = None
     lib.argmax_rows_f32.argtypes = [ptr, i64, ptr, i32, i32]
     lib.argmax_rows_f32.restype = None
+    lib.gather_rows_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32]
+    lib.gather_rows_f32.restype = i64
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32.restype = None
@@ -302,6 +304,23 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [rows, n] -> [rows] int64
     assert lib is not None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows_f32(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:  # [N, D], [T] -> [T, D]
+    """``table[ids]`` (an embedding lookup) on the calling thread; None where it does not apply. An id
+    outside the table raises IndexError, as torch's lookup does."""
+    if not (table.dim() == 2 and table.is_contiguous() and _f32_rows(table) and ids.dim() == 1
+            and ids.dtype == torch.int64 and ids.device.type == "cpu" and load() is not None):  # fmt: skip
+        return None
+    lib = load()
+    assert lib is not None
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32)
+    bad = lib.gather_rows_f32(table.data_ptr(), table.shape[0], ids.data_ptr(), out.data_ptr(), ids.shape[0],
+                              table.shape[1])  # fmt: skip
+    if bad >= 0:
+        raise IndexError(f"index {int(ids[bad])} is out of range for {table.shape[0]} rows")
     return out
 
 

@@ -149,7 +149,9 @@ class CpuStack:
         if self._weight_ptrs() != self.weight_ptrs:  # a parameter was replaced since the last step
             self._point_at_weights()
         model = self.model
-        hidden = model.embed_tokens(input_ids)  # [T, hidden]: the residual stream, updated in place
+        hidden = cpu_kernels.gather_rows(model.embed_tokens.weight, input_ids)  # [T, hidden]: the residual
+        if hidden is None:  # stream, updated in place
+            hidden = model.embed_tokens(input_ids)
         # index_select, not [positions]: torch's indexing starts a parallel region even for a few rows, and
         # its threads then spin for milliseconds on the core the native forward's helper needs.
         cos = model.rope_cos.index_select(0, positions).to(hidden.dtype)  # [T, head_dim]

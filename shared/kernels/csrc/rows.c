@@ -1,4 +1,8 @@
 /*
+ * Row operations around a CPU step's forward (float32): the embedding lookup and greedy sampling's
+ * argmax, neither of which starts torch's parallel threads (their spinning after a region takes the
+ * core the native forward's helper needs).
+ *
  * Greedy sampling's argmax over each row of the logits (float32): the index of the row's largest
  * value, the first where several are equal, and the first NaN where the row has one (NaN counts as
  * the largest) — what torch's max(dim=-1).indices returns. torch's CPU reduction with indices
@@ -6,6 +10,7 @@
  * where it first occurs (the row is still in the cache).
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "pool.h"
 
@@ -72,4 +77,15 @@ static void argmax_rows(void *p, int64_t r0, int64_t r1) {
 void argmax_rows_f32(const float *x, int64_t stride, int64_t *out, int num_rows, int n) {
     ArgmaxArgs a = {x, stride, n, out};
     pool_rows(num_rows, n, argmax_rows, &a);
+}
+
+/* out[i] = table[ids[i]] for rows of `dim` floats: the embedding lookup, on the calling thread (a
+ * step's few hundred rows are a memcpy each; torch's index_select would start a parallel region).
+ * Returns the first i whose id is outside [0, num_rows), or -1. */
+int64_t gather_rows_f32(const float *table, int64_t num_rows, const int64_t *ids, float *out, int64_t n, int dim) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= num_rows) return i;
+        memcpy(out + i * dim, table + ids[i] * dim, sizeof(float) * (size_t)dim);
+    }
+    return -1;
 }

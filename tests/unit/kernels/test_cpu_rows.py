@@ -1,10 +1,12 @@
-"""The native argmax that greedy sampling uses on the CPU, against torch's ``max(dim=-1).indices``."""
+"""The native row operations of a CPU step (csrc/rows.c) against torch: greedy sampling's argmax
+against ``max(dim=-1).indices``, the embedding lookup against indexing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shared.engine.model_runner import select_rows
 from shared.engine.sampler import greedy_argmax
 from shared.kernels import cpu_kernels
 
@@ -45,3 +47,21 @@ def test_argmax_declines_what_it_does_not_handle():
     assert cpu_kernels.argmax(torch.randn(2, 3, 4)) is None
     x = torch.randn(8, 4, dtype=torch.float64)
     assert torch.equal(greedy_argmax(x), x.max(dim=-1).indices)  # torch's reduction instead
+
+
+def test_gather_rows_matches_indexing():
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 24, generator=gen)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    out = cpu_kernels.gather_rows(table, ids)
+    assert out is not None and torch.equal(out, table[ids])
+    assert torch.equal(select_rows(table, [0, 4, 49]), table[[0, 4, 49]])
+    empty = cpu_kernels.gather_rows(table, torch.tensor([], dtype=torch.int64))
+    assert empty is not None and empty.shape == (0, 24)
+
+
+@pytest.mark.parametrize("bad", [50, -1])
+def test_gather_rows_refuses_ids_outside_the_table(bad):
+    with pytest.raises(IndexError, match=f"index {bad} is out of range"):
+        cpu_kernels.gather_rows(torch.randn(50, 8), torch.tensor([1, bad]))
+    assert cpu_kernels.gather_rows(torch.randn(50, 8).t().contiguous().t(), torch.tensor([1])) is None  # columns
