@@ -53,6 +53,12 @@ static inline void prefetch_rows(const float *base, int64_t row_stride, int rows
     for (int i = 0; i < rows; i++)
         for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T0);
 }
+
+/* The same into the second-level cache only (data wanted a little later). */
+static inline void prefetch_rows_l2(const float *base, int64_t row_stride, int rows, int num_floats) {
+    for (int i = 0; i < rows; i++)
+        for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T1);
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -258,6 +264,9 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
                 if (b + RANGE_AHEAD < num_blocks)
                     prefetch_rows(k_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
                                   row_stride, 8, (h1 - h0) * head_dim);
+                /* and this block's value rows, which pass 3 reads: two streams in flight instead of one. */
+                prefetch_rows_l2(v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
+                                 row_stride, 8, (h1 - h0) * head_dim);
                 for (int r = 0; r < rows; r++) /* row r: head h0 + r / group, its K at (r / group) * head_dim */
                     score_keys8(q0 + (int64_t)r * head_dim, base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim,
                                 row_stride, n - i < 8 ? n - i : 8, head_dim, scale, scores + (int64_t)r * seq_len + b * block_size + i);
@@ -280,13 +289,31 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
     for (int b = 0; b < num_blocks; b++) {
         const float *base = v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
-        for (int i = 0; i < n; i++) {
-            const int t = b * block_size + i;
+        int i = 0;
 #if defined(RANGE_TILES)
+        /* Two value rows per pass over the accumulators (each element still adds row t, then t + 1, as below). */
+        for (; head_dim % 8 == 0 && i + 2 <= n; i += 2) {
+            const int t = b * block_size + i;
             if (b + RANGE_AHEAD < num_blocks)
                 prefetch_rows(v_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
-                              row_stride, 1, (h1 - h0) * head_dim);
+                              row_stride, 2, (h1 - h0) * head_dim);
+            const float *row0 = base + (int64_t)i * row_stride, *row1 = row0 + row_stride;
+            for (int h = 0; h < h1 - h0; h++)
+                for (int g = 0; g < group; g++) {
+                    const int r = h * group + g;
+                    const __m256 w0 = _mm256_set1_ps(scores[(int64_t)r * seq_len + t]);
+                    const __m256 w1 = _mm256_set1_ps(scores[(int64_t)r * seq_len + t + 1]);
+                    const float *v0 = row0 + (int64_t)h * head_dim, *v1 = row1 + (int64_t)h * head_dim;
+                    float *a = acc + (int64_t)r * head_dim;
+                    for (int d = 0; d < head_dim; d += 8) {
+                        const __m256 once = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(a + d));
+                        _mm256_storeu_ps(a + d, _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + d), once));
+                    }
+                }
+        }
 #endif
+        for (; i < n; i++) {
+            const int t = b * block_size + i;
             for (int r = 0; r < rows; r++) {
                 const float *v = base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim;
                 const float w = scores[(int64_t)r * seq_len + t];
