@@ -190,8 +190,9 @@ class ModelRunner:
                 generators.append(self._generator(sample_id, sample_seed, len(seq.output_token_ids)))
         if not rows:
             return {}
-        # Rows ascend, one or more per sequence: as many as tokens means every token (a decode step), no gather.
-        last = hidden if len(rows) == hidden.shape[0] else select_rows(hidden, rows)
+        # Every token's row once, in order (a decode step of single samples): no gather.
+        every_row = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
+        last = hidden if every_row else select_rows(hidden, rows)
         logits = self.model.compute_logits(last)  # [B, vocab]
         batch = SamplingBatch.build(
             params, prompts, outputs, generators, self.eos_token_ids, logits.shape[-1], self.device
