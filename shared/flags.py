@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 ENV_PREFIX = "CLEAVE_"
@@ -38,6 +39,24 @@ def parse_bool(text: str) -> bool:
     if word in FALSE_WORDS:
         return False
     raise ValueError("is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0,2-3"`` -> ``{0, 2, 3}`` (the kernel's CPU list format); an argparse ``type``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if match is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like 0,2-3")
+        first = int(match[1])
+        cpus.update(range(first, int(match[2] or first) + 1))
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r} names no CPU (a list like 0,2-3)")
+    return frozenset(cpus)
+
+
+def format_cpu_list(cpus: frozenset[int] | set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 def _long_flag(action: argparse.Action) -> str | None:

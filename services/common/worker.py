@@ -65,6 +65,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         "the pod's termination grace period)")  # fmt: skip
     parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=LOG_FORMATS,
                         help="text (default) or json: one JSON object per log line")  # fmt: skip
+    parser.add_argument("--io-cpus", type=flags.parse_cpu_list, default=env_default("--io-cpus", None),
+                        help="CPUs (a list like 0,2-3) for the worker's network threads: the gRPC server and the "
+                             "token streams. The engine thread keeps the CPUs the worker started on, so a step "
+                             "is not interrupted to send the previous step's tokens. Default: the same CPUs "
+                             "(cleave serve sets it for decode workers under its CPU split)")  # fmt: skip
     return parser
 
 
@@ -226,6 +231,11 @@ class WorkerBase:
 
 async def serve(worker: WorkerBase, add_servicer) -> None:
     args = worker.args
+    if args.io_cpus:
+        # This thread only (and the gRPC threads it starts next); the engine thread, started already, stays.
+        os.sched_setaffinity(0, args.io_cpus)
+        logger.info("network_threads cpus=%s engine_cpus=%s", flags.format_cpu_list(args.io_cpus),
+                    flags.format_cpu_list(os.sched_getaffinity(worker.engine.thread_id)))  # fmt: skip
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_servicer(worker, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")

@@ -65,6 +65,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
+    @property
+    def thread_id(self) -> int:
+        """The engine thread's OS id (for its CPU affinity)."""
+        assert self._thread.native_id is not None
+        return self._thread.native_id
+
     # ---- engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:

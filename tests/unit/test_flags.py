@@ -87,3 +87,21 @@ def test_cleave_reads_the_environment_for_the_chosen_command_only(tmp_path, monk
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--prompt", "hi", "--model", str(tmp_path)])
     assert exc.value.code == 2 and "CLEAVE_MAX_MODEL_LEN='abc'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,cpus", [("0", {0}), ("0,2-3", {0, 2, 3}), (" 1 , 4-5 ", {1, 4, 5}), ("3-3", {3})])
+def test_cpu_lists_read_as_the_kernel_writes_them(text: str, cpus: set[int]) -> None:
+    assert flags.parse_cpu_list(text) == cpus
+    assert flags.parse_cpu_list(flags.format_cpu_list(cpus)) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "-1", "2,,3", "1-x", "3-1"])
+def test_bad_cpu_lists_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="CPU"):
+        flags.parse_cpu_list(text)
+
+
+def test_worker_io_cpus_flag_and_variable() -> None:
+    assert _worker_args({}).io_cpus is None
+    assert _worker_args({}, ["--io-cpus", "0-1"]).io_cpus == {0, 1}
+    assert _worker_args({"CLEAVE_IO_CPUS": "2,4"}).io_cpus == {2, 4}
