@@ -112,7 +112,15 @@ class CpuStack:
         return None if sgemm is None else CpuStack(model, lib, sgemm)
 
     def _weight_ptrs(self) -> list[int]:
-        return [p.data_ptr() for p in self.model.parameters()]
+        """The addresses of the weights the native forward reads, reached as it reads them (36 lookups for
+        six layers: walking ``model.parameters()`` every step cost 0.37 ms, a fortieth of a small step)."""
+        ptrs = [self.model.norm.weight.data_ptr()]
+        for la in self.model.decoder_layers():
+            attn, mlp = la.self_attn, la.mlp
+            ptrs += [attn.qkv_proj.weight.data_ptr(), attn.o_proj.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
+                     mlp.down_proj.weight.data_ptr(), la.input_layernorm.weight.data_ptr(),
+                     la.post_attention_layernorm.weight.data_ptr()]  # fmt: skip
+        return ptrs
 
     def _point_at_weights(self) -> None:
         """The layers' weight addresses as the native forward reads them (again if a weight moved)."""
