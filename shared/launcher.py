@@ -46,10 +46,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="log lines of every process: text or one JSON object per line")  # fmt: skip
     parser.add_argument("--cpu-split", default=env_default("--cpu-split", "auto"), choices=["auto", "off"],
                         help="auto: on a machine without a GPU, the decode workers run on the upper half of the "
-                             "CPUs and the prefill workers and the router on the rest (the decode workers' network "
-                             "threads on any), so that a decode step never waits for a core a prefill holds "
-                             "(steadier inter-token latency, more tokens/s on 2 cores); off: every process may "
-                             "run anywhere")  # fmt: skip
+                             "CPUs and the prefill workers and the router on the rest, so that a decode step never "
+                             "waits for a core a prefill holds (steadier inter-token latency, more tokens/s on 2 "
+                             "cores); off: every process may run anywhere")  # fmt: skip
     parser.add_argument("--redis", action="store_true",
                         help="also start a local redis-server; workers register in it and the router discovers them")  # fmt: skip
     return flags.parse_known_args(parser, argv)
@@ -177,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if split is not None:
             print(
                 f"cpus prefill+router={','.join(map(str, sorted(split[0])))} "
-                f"decode={','.join(map(str, sorted(split[1])))} (its network threads on all of them; "
-                "--cpu-split off to share them all)",
+                f"decode={','.join(map(str, sorted(split[1])))} (--cpu-split off to share them all)",
                 flush=True,
             )
         # Under the split the prefill workers share their CPUs with the router, which forwards every
@@ -186,16 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         niceness = PREFILL_NICENESS if split is not None else 0
         pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", common, prefill_cpus, niceness)
                    for i in range(args.prefill_workers)]  # fmt: skip
-        # Only their engine threads keep to the decode CPUs; their network threads (gRPC, the token streams)
-        # may run on every CPU, so the OS can put them beside the router (preempting a prefill worker, whose
-        # niceness is higher) instead of pausing a decode step. Bursts of 64, five pairs alternating with
-        # the whole worker on the decode CPUs: output tok/s higher or equal in each (711/506, 799/708,
-        # 854/797, 781/758, 816/816), p99 ITL lower in four (34-44 vs 34-56 ms), median TTFT mixed.
-        # (Network threads on the prefill CPUs alone overloaded them: TTFT +15-20%, tok/s no better.)
-        decode_args = common
-        if split is not None:
-            decode_args = [*common, "--io-cpus", flags.format_cpu_list(split[0] | split[1])]
-        pending += [cluster.start(f"decode-{i}", "services.decode_worker", decode_args, decode_cpus)
+        pending += [cluster.start(f"decode-{i}", "services.decode_worker", common, decode_cpus)
                     for i in range(args.decode_workers)]  # fmt: skip
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip

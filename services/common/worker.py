@@ -68,8 +68,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--io-cpus", type=flags.parse_cpu_list, default=env_default("--io-cpus", None),
                         help="CPUs (a list like 0,2-3) for the worker's network threads: the gRPC server and the "
                              "token streams. The engine thread keeps the CPUs the worker started on, so a step "
-                             "is not interrupted to send the previous step's tokens. Default: the same CPUs "
-                             "(cleave serve sets it for decode workers under its CPU split)")  # fmt: skip
+                             "is not interrupted to send the previous step's tokens. Default: the same CPUs")  # fmt: skip
     return parser
 
 

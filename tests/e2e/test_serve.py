@@ -50,9 +50,8 @@ def _assert_registered(lines: list[str], count: int) -> None:
 
 
 def _assert_cpu_split(children: list[int]) -> None:
-    """By default (no GPU, at least 2 CPUs) the decode worker computes on the upper half of the CPUs (its
-    network threads, the main one among them, may use every CPU), the prefill worker and the router on
-    the lower half, where the prefill worker yields to the router."""
+    """By default (no GPU, at least 2 CPUs) the decode worker runs on the upper half of the CPUs, the
+    prefill worker and the router on the lower half, where the prefill worker yields to the router."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or os.path.exists("/dev/nvidiactl"):
         return
@@ -65,12 +64,7 @@ def _assert_cpu_split(children: list[int]) -> None:
             cmdline = f.read().replace(b"\0", b" ").decode()
         for module, want in expected.items():
             if f"-m {module} " in cmdline:
-                if module == "services.decode_worker":
-                    assert os.sched_getaffinity(pid) == set(cpus), os.sched_getaffinity(pid)  # the main thread
-                    threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-                    assert want in [os.sched_getaffinity(tid) for tid in threads]  # the engine thread's
-                else:
-                    assert os.sched_getaffinity(pid) == want, (module, os.sched_getaffinity(pid))
+                assert os.sched_getaffinity(pid) == want, (module, os.sched_getaffinity(pid))
                 niceness = os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0)
                 want_niceness = PREFILL_NICENESS if module == "services.prefill_worker" else 0
                 assert niceness == min(want_niceness, 19 - os.getpriority(os.PRIO_PROCESS, 0)), (module, niceness)
