@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill_cpus, decode_cpus = split or (None, None)
         if split is not None:
             print(
-                f"cpus prefill+router={','.join(map(str, sorted(split[0])))} "
-                f"decode={','.join(map(str, sorted(split[1])))} (--cpu-split off to share them all)",
+                f"cpus prefill+router={flags.format_cpu_list(split[0])} "
+                f"decode={flags.format_cpu_list(split[1])} (--cpu-split off to share them all)",
                 flush=True,
             )
         # Under the split the prefill workers share their CPUs with the router, which forwards every

@@ -310,7 +310,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [rows, n] -> [rows] int64
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:  # [N, D], [T] -> [T, D]
     """``table[ids]`` (an embedding lookup) on the calling thread; None where it does not apply. An id
     outside the table raises IndexError, as torch's lookup does."""
-    if not (table.dim() == 2 and table.is_contiguous() and _f32_rows(table) and ids.dim() == 1
+    if not (_f32_rows(table) and table.is_contiguous() and ids.dim() == 1
             and ids.dtype == torch.int64 and ids.device.type == "cpu" and load() is not None):  # fmt: skip
         return None
     lib = load()

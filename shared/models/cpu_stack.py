@@ -54,6 +54,19 @@ class _ForwardArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+def _layer_weight_modules(layer) -> tuple:
+    """The modules whose weights the native forward reads for one layer, in ``_LayerWeights``' order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        attn.qkv_proj,
+        attn.o_proj,
+        mlp.gate_up_proj,
+        mlp.down_proj,
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+    )
+
+
 def torch_sgemm() -> int | None:
     """The address of the BLAS ``sgemm_`` torch's CPU library exports (MKL on x86 wheels), or None."""
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
@@ -120,17 +133,15 @@ class CpuStack:
     def _point_at_weights(self) -> None:
         """The layers' weight addresses as the native forward reads them (again if a weight moved)."""
         layers = self.model.decoder_layers()
-        self._weight_modules = [module for la in layers for module in (
-            la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj, la.input_layernorm,
-            la.post_attention_layernorm)]  # fmt: skip
-        self.layer_weights = (_LayerWeights * len(layers))(*[
-            _LayerWeights(la.self_attn.qkv_proj.weight.data_ptr(), la.self_attn.o_proj.weight.data_ptr(),
-                          la.mlp.gate_up_proj.weight.data_ptr(), la.mlp.down_proj.weight.data_ptr(),
-                          la.input_layernorm.weight.data_ptr(), la.post_attention_layernorm.weight.data_ptr(),
-                          la.input_layernorm.eps, la.post_attention_layernorm.eps)
-            for la in layers
-        ])  # fmt: skip
+        groups = [_layer_weight_modules(la) for la in layers]
+        self._weight_modules = [module for group in groups for module in group]
         self.weight_ptrs = self._weight_ptrs()
+        size = len(groups[0]) if groups else 0
+        self.layer_weights = (_LayerWeights * len(layers))(*[
+            _LayerWeights(*self.weight_ptrs[i * size : (i + 1) * size], la.input_layernorm.eps,
+                          la.post_attention_layernorm.eps)
+            for i, la in enumerate(layers)
+        ])  # fmt: skip
 
     def supports(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         """The cache layout the kernels read: [blocks, layers, 2, block_size, kv_heads, head_dim], rows contiguous."""

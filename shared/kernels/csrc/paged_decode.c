@@ -48,16 +48,18 @@ static inline void softmax_rows(float *scores, int rows, int seq_len, float *sum
 #define PREFETCH_AHEAD 4 /* blocks: one block's work is shorter than a memory round trip */
 #endif
 
-/* Start loading ``num_floats`` of each of ``rows`` rows (row_stride apart) into the cache. */
-static inline void prefetch_rows(const float *base, int64_t row_stride, int rows, int num_floats) {
+/* Start loading ``num_floats`` of each of ``rows`` rows (row_stride apart) into the cache; with ``to_l2``
+ * (a constant) into the second-level cache only, for data wanted a little later. */
+static inline __attribute__((always_inline)) void prefetch_rows(const float *base, int64_t row_stride, int rows,
+                                                                int num_floats, const int to_l2) {
     for (int i = 0; i < rows; i++)
-        for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T0);
-}
-
-/* The same into the second-level cache only (data wanted a little later). */
-static inline void prefetch_rows_l2(const float *base, int64_t row_stride, int rows, int num_floats) {
-    for (int i = 0; i < rows; i++)
-        for (int d = 0; d < num_floats; d += 16) _mm_prefetch((const char *)(base + (int64_t)i * row_stride + d), _MM_HINT_T1);
+        for (int d = 0; d < num_floats; d += 16) {
+            const char *line = (const char *)(base + (int64_t)i * row_stride + d);
+            if (to_l2)
+                _mm_prefetch(line, _MM_HINT_T1);
+            else
+                _mm_prefetch(line, _MM_HINT_T0);
+        }
 }
 #endif
 
@@ -118,7 +120,7 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
                 const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
                 for (int p = b == 0 ? 1 : b + PREFETCH_AHEAD; p <= b + PREFETCH_AHEAD && p < num_blocks; p++)
                     prefetch_rows(v_cache + (int64_t)block_table[p] * block_stride + (int64_t)kv_head * head_dim + d0,
-                                  row_stride, block_size, 64);
+                                  row_stride, block_size, 64, 0);
                 const float *w = scores + (int64_t)g0 * seq_len + b * block_size;
                 for (int i = 0; i < n; i++) {
                     const float *v = base + (int64_t)i * row_stride;
@@ -161,7 +163,7 @@ static void score_context(const float *q, const float *k_cache, int64_t block_st
             /* Blocks sit anywhere: start loading the one PREFETCH_AHEAD on (the blocks before it at the start). */
             for (int p = b == 0 ? 1 : b + PREFETCH_AHEAD; p <= b + PREFETCH_AHEAD && p < num_blocks; p++)
                 prefetch_rows(k_cache + (int64_t)block_table[p] * block_stride + (int64_t)kv_head * head_dim,
-                              row_stride, block_size, head_dim);
+                              row_stride, block_size, head_dim, 0);
             for (int i = 0; i < n; i += 16)
                 score_keys(q, base + (int64_t)i * row_stride, row_stride, n - i < 16 ? n - i : 16, group, head_dim,
                            scale, scores, seq_len, b * block_size + i);
@@ -263,10 +265,10 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
             for (int i = 0; i < n; i += 8) {
                 if (b + RANGE_AHEAD < num_blocks)
                     prefetch_rows(k_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
-                                  row_stride, 8, (h1 - h0) * head_dim);
+                                  row_stride, 8, (h1 - h0) * head_dim, 0);
                 /* and this block's value rows, which pass 3 reads: two streams in flight instead of one. */
-                prefetch_rows_l2(v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
-                                 row_stride, 8, (h1 - h0) * head_dim);
+                prefetch_rows(v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
+                              row_stride, 8, (h1 - h0) * head_dim, 1);
                 for (int r = 0; r < rows; r++) /* row r: head h0 + r / group, its K at (r / group) * head_dim */
                     score_keys8(q0 + (int64_t)r * head_dim, base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim,
                                 row_stride, n - i < 8 ? n - i : 8, head_dim, scale, scores + (int64_t)r * seq_len + b * block_size + i);
@@ -296,7 +298,7 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
             const int t = b * block_size + i;
             if (b + RANGE_AHEAD < num_blocks)
                 prefetch_rows(v_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
-                              row_stride, 2, (h1 - h0) * head_dim);
+                              row_stride, 2, (h1 - h0) * head_dim, 0);
             const float *row0 = base + (int64_t)i * row_stride, *row1 = row0 + row_stride;
             for (int h = 0; h < h1 - h0; h++)
                 for (int g = 0; g < group; g++) {
