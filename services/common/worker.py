@@ -87,6 +87,7 @@ class WorkerBase:
     """Engine + KV connector + the RPCs every role answers."""
 
     role = ""
+    serves_generate_many = False  # the GenerateMany RPC (services.common.call_mux)
 
     def __init__(self, args: argparse.Namespace) -> None:
         from services.kv_transfer.connector import create_connector, make_peer_info
@@ -130,7 +131,8 @@ class WorkerBase:
         if reason is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
         return pb.HealthResponse(status="ok", role=self.role, model=self.args.model, worker_id=self.worker_id,
-                                 max_model_len=self.engine.core.max_model_len)  # fmt: skip
+                                 max_model_len=self.engine.core.max_model_len,
+                                 generate_many=self.serves_generate_many)  # fmt: skip
 
     @property
     def num_leased(self) -> int:

@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from services.common.background import BackgroundTasks
+from services.common.call_mux import serve_calls
 from services.common.convert import sampling_from_proto, token_to_proto
 from services.common.worker import WorkerBase, build_parser
 from services.common.worker import main as worker_main
@@ -49,6 +50,7 @@ class PullFailed(Exception):
 
 class DecodeWorker(WorkerBase):
     role = "decode"
+    serves_generate_many = True
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
@@ -56,6 +58,14 @@ class DecodeWorker(WorkerBase):
         self._replaced: set[str] = set()  # peer ids of prefill processes that another one replaced
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.background = BackgroundTasks()  # KV releases: kept referenced, failures logged
+        # Set when draining starts: GenerateMany streams end once their calls have, so that the
+        # server stops without waiting out its grace period for the router's idle stream.
+        self._streams_closing = asyncio.Event()
+
+        async def close_streams() -> None:
+            self._streams_closing.set()
+
+        self.drain.on_drain(close_streams)
         self.kv_loader = KVConnectorWorker(ConnectorTransport(self.connector, self._release))
 
     def _stub(self, addr: str) -> pb_grpc.PrefillWorkerStub:
@@ -115,6 +125,12 @@ class DecodeWorker(WorkerBase):
         finally:
             span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
             span.end()
+
+    async def GenerateMany(self, request_iterator, context):
+        """Many Generate calls on one stream, their tokens sent together (services.common.call_mux)."""
+        async with aclosing(serve_calls(self.Generate, request_iterator, self._streams_closing)) as messages:
+            async for message in messages:
+                yield message
 
     async def _generate(self, request: pb.GenerateRequest, context, span: Span):
         core = self.engine.core

@@ -398,9 +398,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.pools = WorkerPools(
-            settings.prefill_workers, settings.decode_workers, settings.routing_policy, state.metrics
-        )
+        state.pools = WorkerPools(settings.prefill_workers, settings.decode_workers, settings.routing_policy,
+                                  state.metrics, per_call_streams=settings.worker_streams == "per-call")  # fmt: skip
         await state.pools.start(settings.health_interval_s)
         watcher, watch_task = None, None
         if settings.redis_url:

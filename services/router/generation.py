@@ -314,7 +314,7 @@ async def _decode_on(
 ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
     """One ``Generate`` stream on ``worker``; raises ``StreamBroke`` if it fails in a way another worker
     can recover from, ``WorkerUnreachable`` if the worker refused the call before it started."""
-    call = worker.stub.Generate(request, metadata=ctx.metadata, timeout=ctx.rpc_timeout_s)
+    call = worker.generate(request, ctx.metadata, ctx.rpc_timeout_s)
     received = finished = unreachable = False
     num_open = max(1, request.sampling.n)  # a forked request ends when all its samples have
     with worker.track(route.uncached_blocks(ctx, worker) if route else 0):

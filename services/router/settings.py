@@ -19,6 +19,7 @@ from shared.logs import LOG_FORMATS
 
 ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+WORKER_STREAMS = ("shared", "per-call")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
@@ -35,6 +36,7 @@ class RouterSettings:
     disagg_min_prompt_tokens: int = 0
     health_interval_s: float = 2.0
     rpc_timeout_s: float = 600.0
+    worker_streams: str = "shared"
     log_level: str = "info"
     redis_url: str | None = None
     kv_overlap_weight: float = 1.0
@@ -141,6 +143,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float)  # fmt: skip
     add("--health-interval", "seconds between worker health/load polls", type=float, default=2.0)
     add("--rpc-timeout", "deadline in seconds for one worker call (whole generation stream)", type=float, default=600.0)
+    add("--worker-streams", "how generation calls reach a decode worker: shared (one gRPC stream per worker "
+        "carries them all, a step's tokens in one message) or per-call (one Generate RPC each)",
+        choices=WORKER_STREAMS, default="shared")  # fmt: skip
     add("--log-level", "log level", type=str.lower, choices=LOG_LEVELS, default="info")
     add("--log-format", "text, or json for one JSON object per log line", choices=LOG_FORMATS, default="text")
     add("--otlp-traces-endpoint", "OTLP/gRPC collector URL for OpenTelemetry traces, e.g. http://127.0.0.1:4317 "
@@ -214,6 +219,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
+        worker_streams=args.worker_streams,
         log_level=args.log_level,
         redis_url=args.redis_url,
         kv_overlap_weight=args.kv_overlap_weight,

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from services.common.background import BackgroundTasks
+from services.common.call_mux import MAX_MESSAGE_BYTES, GenerateMux, MuxCall
 from services.router.metrics import RouterMetrics
 from shared.genproto.cleave.v1 import worker_pb2, worker_pb2_grpc
 
@@ -40,6 +41,8 @@ CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # One GenerateMany message carries a whole step's tokens (and the prompt logprobs of new calls).
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
 
@@ -57,6 +60,10 @@ class WorkerClient:
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == PREFILL else worker_pb2_grpc.DecodeWorkerStub
         # Typed loosely: one client class serves both roles' stubs.
         self.stub: Any = stub_cls(self.channel)
+        # Decode calls share one GenerateMany stream (see services.common.call_mux) unless per_call_streams.
+        self.mux = GenerateMux(self.stub)
+        self.per_call_streams = False
+        self.generate_many = False  # the worker said it serves GenerateMany
         self.healthy = False
         self.load: worker_pb2.LoadStatsResponse | None = None
         self.max_model_len = 0
@@ -103,7 +110,18 @@ class WorkerClient:
         self.load_asked_at = asked_at
         self.max_model_len = health.max_model_len
         self.worker_id = health.worker_id
+        self.generate_many = health.generate_many
         return ok
+
+    def generate(self, request: worker_pb2.GenerateRequest, metadata, timeout: float | None) -> MuxCall | Any:
+        """A ``Generate`` call on this decode worker: iterate it for responses, ``cancel()`` it when leaving."""
+        if self.per_call_streams or not self.generate_many:
+            return self.stub.Generate(request, metadata=metadata, timeout=timeout)
+        return self.mux.generate(request, metadata, timeout)
+
+    async def close(self) -> None:
+        await self.mux.aclose()
+        await self.channel.close()
 
     def mark_unreachable(self) -> None:
         if self.healthy:
@@ -141,11 +159,14 @@ class WorkerClient:
 class WorkerPool:
     """The workers of one role."""
 
-    def __init__(self, role: str, addresses: tuple[str, ...], policy: str, metrics: RouterMetrics) -> None:
+    def __init__(
+        self, role: str, addresses: tuple[str, ...], policy: str, metrics: RouterMetrics, per_call_streams: bool = False
+    ) -> None:
         self.role = role
         self.policy = policy
         self.metrics = metrics
-        self.workers = [WorkerClient(addr, role) for addr in addresses]
+        self.per_call_streams = per_call_streams
+        self.workers = [self._client(addr) for addr in addresses]
         self._cursor = 0
         self._refresh_lock = asyncio.Lock()
         self._last_refresh = 0.0
@@ -153,6 +174,11 @@ class WorkerPool:
 
     def __bool__(self) -> bool:
         return bool(self.workers)
+
+    def _client(self, address: str) -> WorkerClient:
+        worker = WorkerClient(address, self.role)
+        worker.per_call_streams = self.per_call_streams
+        return worker
 
     def healthy_workers(self) -> list[WorkerClient]:
         return [w for w in self.workers if w.healthy]
@@ -209,7 +235,7 @@ class WorkerPool:
 
     def add_worker(self, address: str) -> WorkerClient:
         """A worker that joined (found in the registry); unhealthy until its first poll."""
-        worker = WorkerClient(address, self.role)
+        worker = self._client(address)
         self.workers.append(worker)
         return worker
 
@@ -225,7 +251,7 @@ class WorkerPool:
             deadline = time.monotonic() + 600
             while worker.num_in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
-            await worker.channel.close()
+            await worker.close()
 
         self.spawn(close_when_idle(), "close_channel")
 
@@ -253,7 +279,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         await self._background.wait(ABORT_TIMEOUT_S)
-        await asyncio.gather(*(w.channel.close() for w in self.workers))
+        await asyncio.gather(*(w.close() for w in self.workers))
 
 
 class WorkerPools:
@@ -265,9 +291,10 @@ class WorkerPools:
         decode_addrs: tuple[str, ...],
         policy: str,
         metrics: RouterMetrics,
+        per_call_streams: bool = False,
     ) -> None:
         self.prefill = WorkerPool(PREFILL, prefill_addrs, policy, metrics)
-        self.decode = WorkerPool(DECODE, decode_addrs, policy, metrics)
+        self.decode = WorkerPool(DECODE, decode_addrs, policy, metrics, per_call_streams)
         self._tasks: list[asyncio.Task] = []
 
     async def start(self, interval_s: float) -> None:

@@ -242,18 +242,20 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model", "worker_id", "max_model_len")
+    __slots__ = ("status", "role", "model", "worker_id", "max_model_len", "generate_many")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_MANY_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model: str
     worker_id: str
     max_model_len: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., worker_id: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    generate_many: bool
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., worker_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., generate_many: _Optional[bool] = ...) -> None: ...
 
 class LoadStatsRequest(_message.Message):
     __slots__ = ()
@@ -300,3 +302,43 @@ class ListCachedBlocksResponse(_message.Message):
     event_seq: int
     block_size: int
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., event_seq: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class GenerateCall(_message.Message):
+    __slots__ = ("call_id", "request", "metadata", "cancel")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    request: GenerateRequest
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    cancel: bool
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class GenerateCallEvent(_message.Message):
+    __slots__ = ("call_id", "response", "ended", "status_code", "status_details")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: GenerateResponse
+    ended: bool
+    status_code: int
+    status_details: str
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., ended: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
+class GenerateEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[GenerateCallEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[GenerateCallEvent, _Mapping]]] = ...) -> None: ...

@@ -369,6 +369,11 @@ class DecodeWorkerStub:
                 request_serializer=cleave_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=cleave_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/cleave.v1.DecodeWorker/GenerateMany',
+                request_serializer=cleave_dot_v1_dot_worker__pb2.GenerateCall.SerializeToString,
+                response_deserializer=cleave_dot_v1_dot_worker__pb2.GenerateEvents.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/cleave.v1.DecodeWorker/Abort',
                 request_serializer=cleave_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -395,6 +400,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -431,6 +442,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=cleave_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=cleave_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=cleave_dot_v1_dot_worker__pb2.GenerateCall.FromString,
+                    response_serializer=cleave_dot_v1_dot_worker__pb2.GenerateEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -480,6 +496,33 @@ class DecodeWorker:
             '/cleave.v1.DecodeWorker/Generate',
             cleave_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             cleave_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cleave.v1.DecodeWorker/GenerateMany',
+            cleave_dot_v1_dot_worker__pb2.GenerateCall.SerializeToString,
+            cleave_dot_v1_dot_worker__pb2.GenerateEvents.FromString,
             options,
             channel_credentials,
             insecure,
