@@ -84,6 +84,13 @@ def test_registry_discovery_expiry_and_outage(model_dir, redis_server):
         redis_server.stop()
         for _ in range(3):
             assert complete() == expected  # routed on the last registry seen
+        # The registry watcher reads once a second: keep Redis down until it has seen the outage.
+        port = base.rsplit(":", 1)[1]
+        deadline = time.monotonic() + 15
+        while scrape(port, 'cleave_router_redis_up{component="registry"}') != 0:
+            assert time.monotonic() < deadline, "the router's registry watcher never saw Redis down"
+            time.sleep(0.1)
+        assert complete() == expected
         redis_server.start()
         third = wait_worker(start_worker("decode", model_dir, *redis))
         procs.append(third)
@@ -95,7 +102,6 @@ def test_registry_discovery_expiry_and_outage(model_dir, redis_server):
         log = "".join(router.lines)
         assert "worker_forgotten role=decode address=" + first.info["grpc"] in log
         assert "redis_unavailable" in log and "redis_reconnected" in log
-        port = base.rsplit(":", 1)[1]
         assert scrape(port, 'cleave_router_redis_reconnects_total{component="registry"}') >= 1
         assert scrape(port, 'cleave_router_redis_up{component="registry"}') == 1
         assert scrape(port, 'cleave_router_pool_workers{role="decode",source="registry"}') == 2
