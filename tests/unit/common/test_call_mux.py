@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -84,20 +86,28 @@ async def _until(condition, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@asynccontextmanager
+async def _live() -> AsyncIterator[SimpleNamespace]:
+    """A scripted worker served on a loopback port and a ``GenerateMux`` to it; closed afterwards."""
+    worker = ScriptedWorker()
+    server, port = await _start(worker)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    live = SimpleNamespace(worker=worker, server=server, port=port,
+                           mux=GenerateMux(worker_pb2_grpc.DecodeWorkerStub(channel)))  # fmt: skip
+    try:
+        yield live
+    finally:
+        await live.mux.aclose()
+        await channel.close()
+        await live.server.stop(None)
+
+
 def _run(test) -> None:
-    """Run ``test(worker, mux)`` against a live server; both are closed afterwards."""
+    """Run ``test(worker, mux)`` against a live server."""
 
     async def main() -> None:
-        worker = ScriptedWorker()
-        server, port = await _start(worker)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        mux = GenerateMux(worker_pb2_grpc.DecodeWorkerStub(channel))
-        try:
-            await asyncio.wait_for(test(worker, mux), timeout=30)
-        finally:
-            await mux.aclose()
-            await channel.close()
-            await server.stop(None)
+        async with _live() as live:
+            await asyncio.wait_for(test(live.worker, live.mux), timeout=30)
 
     asyncio.run(main())
 
@@ -180,15 +190,12 @@ def test_cancel_and_deadline_reach_the_worker():
 
 def test_a_broken_stream_fails_every_open_call_and_the_next_call_reconnects():
     async def main() -> None:
-        worker = ScriptedWorker()
-        server, port = await _start(worker)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        mux = GenerateMux(worker_pb2_grpc.DecodeWorkerStub(channel))
-        try:
+        async with _live() as live:
+            mux, worker = live.mux, live.worker
             calls = [mux.generate(_request(f"forever-{i}", 5), (), None) for i in range(3)]
             results = [asyncio.create_task(_collect(call)) for call in calls]
             await _until(lambda: len(worker.queues) == 3)
-            await server.stop(None)  # the worker dies with calls open
+            await live.server.stop(None)  # the worker dies with calls open
             for result in results:
                 with pytest.raises(grpc.aio.AioRpcError) as broken:
                     await result
@@ -196,17 +203,13 @@ def test_a_broken_stream_fails_every_open_call_and_the_next_call_reconnects():
             assert mux.num_open == 0
 
             worker = ScriptedWorker()
-            server, _ = await _start(worker, port)  # it comes back on the same address
+            live.server, _ = await _start(worker, live.port)  # it comes back on the same address
             call = mux.generate(_request("r-7", 2), (), timeout=10)
             collected = asyncio.create_task(_collect(call))
             await _until(lambda: "r-7" in worker.queues)
             worker.step()
             worker.step()
             assert await collected == [700, 701]
-        finally:
-            await mux.aclose()
-            await channel.close()
-            await server.stop(None)
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
 
