@@ -57,6 +57,7 @@ class DecodeWorker(WorkerBase):
         self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id (handshaken)
         self._replaced: set[str] = set()  # peer ids of prefill processes that another one replaced
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.PrefillWorkerStub] = {}
         self.background = BackgroundTasks()  # KV releases: kept referenced, failures logged
         # Set when draining starts: GenerateMany streams end once their calls have, so that the
         # server stops without waiting out its grace period for the router's idle stream.
@@ -69,9 +70,12 @@ class DecodeWorker(WorkerBase):
         self.kv_loader = KVConnectorWorker(ConnectorTransport(self.connector, self._release))
 
     def _stub(self, addr: str) -> pb_grpc.PrefillWorkerStub:
-        if addr not in self._channels:
+        """The prefill worker at ``addr`` (kept: building a stub registers every method, per request)."""
+        stub = self._stubs.get(addr)
+        if stub is None:
             self._channels[addr] = grpc.aio.insecure_channel(addr)
-        return pb_grpc.PrefillWorkerStub(self._channels[addr])
+            stub = self._stubs[addr] = pb_grpc.PrefillWorkerStub(self._channels[addr])
+        return stub
 
     async def _peer(self, handle: pb.KVHandle, failed: str | None = None) -> str:
         """The connector peer id of the handle's prefill worker, handshaking when it is new, when it
