@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.common.call_mux import BATCH_BYTES, GenerateMux, _take_batch, serve_calls
+from services.common.call_mux import BATCH_BYTES, GenerateMux, MuxCall, _take_batch, serve_calls
+from services.router.workers import DECODE, WorkerClient
 from shared.genproto.cleave.v1 import worker_pb2 as pb
 from shared.genproto.cleave.v1 import worker_pb2_grpc
 
@@ -29,7 +30,9 @@ class ScriptedWorker(worker_pb2_grpc.DecodeWorkerServicer):
         self.cancelled: list[str] = []
         self.metadata: dict[str, dict[str, str]] = {}
         self.num_messages = 0
+        self.num_many = 0  # GenerateMany streams opened
         self.closing = asyncio.Event()
+        self.advertise = True  # its health answer says it serves GenerateMany
 
     def step(self) -> None:
         """One engine step: every open call gets its next token at once."""
@@ -61,7 +64,14 @@ class ScriptedWorker(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             del self.queues[rid]
 
+    async def Health(self, request, context) -> pb.HealthResponse:
+        return pb.HealthResponse(status="ok", role="decode", generate_many=self.advertise)
+
+    async def LoadStats(self, request, context) -> pb.LoadStatsResponse:
+        return pb.LoadStatsResponse()
+
     async def GenerateMany(self, request_iterator, context) -> AsyncIterator[pb.GenerateEvents]:
+        self.num_many += 1
         async for message in serve_calls(self.Generate, request_iterator, self.closing):
             self.num_messages += 1
             yield message
@@ -243,3 +253,26 @@ def test_large_responses_are_split_across_messages():
     assert len(batches) >= 2
     for batch in batches:
         assert len(batch) == 1 or sum(e.ByteSize() for e in batch) <= BATCH_BYTES
+
+
+def test_the_router_shares_a_stream_only_with_workers_that_serve_it():
+    async def main() -> None:
+        async with _live() as live:
+            worker = live.worker
+            for advertise, per_call, shared in [(True, False, True), (False, False, False), (True, True, False)]:
+                worker.advertise = advertise
+                client = WorkerClient(f"127.0.0.1:{live.port}", DECODE)
+                client.per_call_streams = per_call
+                assert await client.poll()
+                rid = f"r-{int(advertise)}{int(per_call)}"
+                opened = worker.num_many
+                call = client.generate(_request(rid, 1), (), timeout=10)
+                assert isinstance(call, MuxCall) == shared
+                collected = asyncio.create_task(_collect(call))
+                await _until(lambda rid=rid: rid in worker.queues)
+                worker.step()
+                assert len(await collected) == 1
+                assert worker.num_many == opened + shared
+                await client.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))
