@@ -86,13 +86,12 @@ async def serve_calls(
                     post(pb.GenerateCallEvent(call_id=call.call_id, response=response))
         except CallAborted as e:
             code, details = e.code.value[0], e.details
-        except asyncio.CancelledError:
-            running.pop(call.call_id, None)
-            raise
         except Exception as e:  # what grpc would answer for a servicer that raised
             logger.exception("generate_failed call_id=%d request_id=%s", call.call_id, call.request.request_id)
             code, details = grpc.StatusCode.UNKNOWN.value[0], f"Unexpected {type(e).__name__}: {e}"
-        running.pop(call.call_id, None)
+        finally:
+            running.pop(call.call_id, None)
+        # (A cancelled call raised past this: the router has dropped it already.)
         post(pb.GenerateCallEvent(call_id=call.call_id, ended=True, status_code=code, status_details=details))
 
     async def read() -> None:
@@ -166,7 +165,7 @@ class MuxCall:
 
     def _expire(self) -> None:
         if not self._done:
-            self._mux.close(self, cancel=True)
+            self._mux.cancel(self)
             self.deliver(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
     def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
@@ -192,7 +191,7 @@ class MuxCall:
     def cancel(self) -> None:
         """End the call at the worker (its request is aborted there) unless it already ended."""
         if not self._done:
-            self._mux.close(self, cancel=True)
+            self._mux.cancel(self)
         self._done = True
         if self._expiry is not None:
             self._expiry.cancel()
@@ -225,8 +224,9 @@ class GenerateMux:
         meta = [pb.MetadataEntry(key=k, value=v) for k, v in call.metadata or () if isinstance(v, str)]
         self._outgoing.put_nowait(pb.GenerateCall(call_id=call.call_id, request=call.request, metadata=meta))
 
-    def close(self, call: MuxCall, cancel: bool) -> None:
-        if self._calls.pop(call.call_id, None) is not None and cancel and self._outgoing is not None:
+    def cancel(self, call: MuxCall) -> None:
+        """Forget ``call`` here and tell the worker to end it (unless it ended or its stream broke)."""
+        if self._calls.pop(call.call_id, None) is not None and self._outgoing is not None:
             self._outgoing.put_nowait(pb.GenerateCall(call_id=call.call_id, cancel=True))
 
     async def _read(self, outgoing: asyncio.Queue[pb.GenerateCall]) -> None:

@@ -56,7 +56,6 @@ class DecodeWorker(WorkerBase):
         super().__init__(args)
         self._peers: dict[str, str] = {}  # prefill gRPC address -> connector peer id (handshaken)
         self._replaced: set[str] = set()  # peer ids of prefill processes that another one replaced
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.PrefillWorkerStub] = {}
         self.background = BackgroundTasks()  # KV releases: kept referenced, failures logged
         # Set when draining starts: GenerateMany streams end once their calls have, so that the
@@ -73,8 +72,7 @@ class DecodeWorker(WorkerBase):
         """The prefill worker at ``addr`` (kept: building a stub registers every method, per request)."""
         stub = self._stubs.get(addr)
         if stub is None:
-            self._channels[addr] = grpc.aio.insecure_channel(addr)
-            stub = self._stubs[addr] = pb_grpc.PrefillWorkerStub(self._channels[addr])
+            stub = self._stubs[addr] = pb_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(addr))
         return stub
 
     async def _peer(self, handle: pb.KVHandle, failed: str | None = None) -> str:

@@ -53,7 +53,7 @@ class NoWorkerAvailable(Exception):
 class WorkerClient:
     """One worker's channel, stub and last known health and load."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, per_call_streams: bool = False) -> None:
         self.address = address
         self.role = role
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -62,7 +62,7 @@ class WorkerClient:
         self.stub: Any = stub_cls(self.channel)
         # Decode calls share one GenerateMany stream (see services.common.call_mux) unless per_call_streams.
         self.mux = GenerateMux(self.stub)
-        self.per_call_streams = False
+        self.per_call_streams = per_call_streams
         self.generate_many = False  # the worker said it serves GenerateMany
         self.healthy = False
         self.load: worker_pb2.LoadStatsResponse | None = None
@@ -166,7 +166,7 @@ class WorkerPool:
         self.policy = policy
         self.metrics = metrics
         self.per_call_streams = per_call_streams
-        self.workers = [self._client(addr) for addr in addresses]
+        self.workers = [WorkerClient(addr, role, per_call_streams) for addr in addresses]
         self._cursor = 0
         self._refresh_lock = asyncio.Lock()
         self._last_refresh = 0.0
@@ -174,11 +174,6 @@ class WorkerPool:
 
     def __bool__(self) -> bool:
         return bool(self.workers)
-
-    def _client(self, address: str) -> WorkerClient:
-        worker = WorkerClient(address, self.role)
-        worker.per_call_streams = self.per_call_streams
-        return worker
 
     def healthy_workers(self) -> list[WorkerClient]:
         return [w for w in self.workers if w.healthy]
@@ -235,7 +230,7 @@ class WorkerPool:
 
     def add_worker(self, address: str) -> WorkerClient:
         """A worker that joined (found in the registry); unhealthy until its first poll."""
-        worker = self._client(address)
+        worker = WorkerClient(address, self.role, self.per_call_streams)
         self.workers.append(worker)
         return worker
 

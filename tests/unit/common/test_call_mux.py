@@ -261,8 +261,7 @@ def test_the_router_shares_a_stream_only_with_workers_that_serve_it():
             worker = live.worker
             for advertise, per_call, shared in [(True, False, True), (False, False, False), (True, True, False)]:
                 worker.advertise = advertise
-                client = WorkerClient(f"127.0.0.1:{live.port}", DECODE)
-                client.per_call_streams = per_call
+                client = WorkerClient(f"127.0.0.1:{live.port}", DECODE, per_call_streams=per_call)
                 assert await client.poll()
                 rid = f"r-{int(advertise)}{int(per_call)}"
                 opened = worker.num_many
