@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,19 +56,20 @@ def _router_sees_healthy(base: str, address: str) -> bool:
     return worker["healthy"]
 
 
-async def _stream(
-    client: openai.AsyncOpenAI, model: str, started: threading.Event, counter: list[int]
-) -> tuple[int, str]:
+def _victim_running(metrics_port: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as resp:
+        text = resp.read().decode()
+    found = re.findall(r"^cleave_num_requests_running(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+async def _stream(client: openai.AsyncOpenAI, model: str) -> tuple[int, str]:
     stream = await client.completions.create(
         model=model, prompt="Hello there", max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     num_chunks, finish = 0, ""
     async for chunk in stream:
-        if num_chunks == 0:
-            counter[0] += 1
-            if counter[0] == NUM_STREAMS:
-                started.set()
         num_chunks += 1
         finish = chunk.choices[0].finish_reason or finish
     return num_chunks, finish
@@ -98,13 +98,16 @@ def test_sigterm_during_streams_drains_and_exits_zero(model_dir) -> None:
 
 async def _drive(base: str, model: str, victim) -> None:
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
-    started, counter = threading.Event(), [0]
-    tasks = [asyncio.create_task(_stream(client, model, started, counter)) for _ in range(NUM_STREAMS)]
+    tasks = [asyncio.create_task(_stream(client, model)) for _ in range(NUM_STREAMS)]
 
     def sigterm_once_streaming() -> tuple[int, bool]:
         # From a thread: this event loop is busy reading the streams' chunks, and a signal or a poll that
-        # waits its turn here can come after the victim has finished them all.
-        assert started.wait(timeout=120), "the streams did not start"
+        # waits its turn here can come after the victim has finished them all. The victim's own gauge
+        # says when its streams run (the client's first chunks can trail its engine by its whole run).
+        deadline = time.monotonic() + 120
+        while _victim_running(victim.info["metrics_port"]) < 1:
+            assert time.monotonic() < deadline, "the streams did not start on the victim"
+            time.sleep(0.005)
         before = _health_status(victim.info["metrics_port"])
         victim.popen.send_signal(signal.SIGTERM)
         return before, _reports_unhealthy_within(victim.info["metrics_port"], 10)
