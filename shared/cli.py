@@ -58,6 +58,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache budget on CPU, e.g. 512MiB, 4GiB",
     )
     g.add_argument(
+        "--no-kv-cache-prefault",
+        action="store_true",
+        default=bool(env_default("--no-kv-cache-prefault", "")),
+        help="CPU: leave the KV cache's pages to be supplied as its blocks are first used (resident memory then "
+        "grows with use, and those first steps wait on page faults) instead of making the whole budget resident "
+        "at start",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=float(env_default("--gpu-memory-utilization", 0.9)),
@@ -98,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_prefault=not args.no_kv_cache_prefault,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

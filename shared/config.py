@@ -23,6 +23,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda"
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int = 2 * GiB  # bytes of KV cache on CPU
+    kv_cache_prefault: bool = True  # CPU: make the whole cache resident at start (see allocate_kv_cache)
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + KV cache on CUDA
     num_blocks: int | None = None  # overrides the memory-derived block count (tests)
     # Token budget per step; 0: CUDA_STEP_TOKENS on CUDA, CPU_STEP_TOKENS on CPU (see there).

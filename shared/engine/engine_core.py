@@ -133,6 +133,7 @@ class EngineCore:
             self.device,
             get_attention_backend(self.device, config.attention_backend),
             tuple(self.model_config.eos_token_ids),
+            config.kv_cache_prefault,
         )
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
             self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import mmap
+import time
 from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
@@ -21,6 +24,9 @@ from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig
 from shared.models.llama import LlamaModel
 
+logger = logging.getLogger("cleave.engine")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,16 +36,41 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV cache. On CPU it is backed by an anonymous mapping (huge pages where the
-    OS has them), whose pages the OS supplies (zeroed) on first touch: resident memory grows
-    with the blocks in use, not with the budget."""
+def allocate_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = True
+) -> torch.Tensor:
+    """A zeroed KV cache. On CPU it is backed by an anonymous mapping (huge pages where the OS has them).
+
+    With ``prefault`` (the default) every page is made resident here, as a GPU cache is allocated whole:
+    otherwise the OS supplies each page on its first touch, inside the steps that first use its blocks.
+    The free queue hands out blocks least recently freed first (what keeps cached prefixes longest), so
+    a server walks the whole budget before it reuses a block, and on a virtual machine a page the guest
+    has never touched (or has handed back to the host) costs about as much as computing a prefill's
+    worth of tokens into it. Without it, resident memory grows with the blocks used so far."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    buffer, offset = huge_page_mapping(count * torch.tensor([], dtype=dtype).element_size())
+    num_bytes = count * torch.tensor([], dtype=dtype).element_size()
+    buffer, offset = huge_page_mapping(num_bytes)
     # the tensor keeps the mapping alive
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+    cache = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+    if prefault:
+        start = time.perf_counter()
+        method = make_resident(buffer, offset, num_bytes, cache)
+        logger.info("kv_cache_prefault bytes=%d seconds=%.2f method=%s", num_bytes, time.perf_counter() - start,
+                    method)  # fmt: skip
+    return cache
+
+
+def make_resident(buffer: mmap.mmap, offset: int, num_bytes: int, view: torch.Tensor) -> str:
+    """Fault in ``num_bytes`` of an anonymous mapping from ``offset``: one ``madvise(MADV_POPULATE_WRITE)``
+    where the kernel has it (Linux 5.14+), else a write of zeros through ``view``."""
+    try:
+        buffer.madvise(_MADV_POPULATE_WRITE, offset, num_bytes)
+        return "madvise"
+    except (OSError, ValueError):
+        view.zero_()
+        return "write"
 
 
 def select_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -68,6 +99,7 @@ class ModelRunner:
         device: torch.device,
         attn_backend,
         eos_token_ids: tuple[int, ...] = (),
+        prefault_kv_cache: bool = True,
     ) -> None:
         self.model = model
         self.config = model_config
@@ -76,9 +108,8 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.eos_token_ids = eos_token_ids
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         shape = (num_blocks, model_config.num_layers, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_cache = allocate_kv_cache(shape, dtype, device)
+        self.kv_cache = allocate_kv_cache(shape, dtype, device, prefault_kv_cache)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None

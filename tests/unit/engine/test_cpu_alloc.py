@@ -18,18 +18,40 @@ linux_thp = pytest.mark.skipif(
 )
 
 
-def vm_flags(address: int) -> set[str]:
-    """The kernel's VmFlags of the mapping that holds ``address`` ("hg": advised for huge pages)."""
-    region = None
+def smaps_entry(address: int) -> dict[str, str]:
+    """The kernel's /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] | None = None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
-            head = line.split()[0]
+            head, _, rest = line.partition(" ")
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                if fields is not None:
+                    return fields
                 start, end = (int(x, 16) for x in head.split("-"))
-                region = start <= address < end
-            elif head == "VmFlags:" and region:
-                return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
+                fields = {} if start <= address < end else None
+            elif fields is not None:
+                fields[head.rstrip(":")] = rest.strip()
+    if fields is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return fields
+
+
+def vm_flags(address: int) -> set[str]:
+    """The mapping's VmFlags ("hg": advised for huge pages)."""
+    return set(smaps_entry(address)["VmFlags"].split())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
+@pytest.mark.parametrize("prefault", [True, False])
+def test_the_kv_cache_is_resident_from_the_start_unless_asked_not_to(prefault):
+    shape = (64, 2, 2, 16, 2, 64)  # 8 MiB: a page the first step touches would otherwise fault then
+    kv = allocate_kv_cache(shape, torch.float32, torch.device("cpu"), prefault=prefault)
+    resident = int(smaps_entry(kv.data_ptr())["Rss"].split()[0]) * 1024
+    if prefault:
+        assert resident >= kv.numel() * 4
+    else:
+        assert resident < kv.numel() * 4 // 4
+    assert int(kv.abs().sum()) == 0  # zeroed either way (the sum touches every page)
 
 
 @linux_thp
