@@ -21,7 +21,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.integration.cluster import ROOT, start_router, start_worker, wait_worker
+from tests.integration.cluster import ROOT, scrape, start_router, start_worker, wait_worker
 
 # Enough streamed tokens that the victim's drain outlasts the health polls below: the CPU forward of
 # the tiny test model takes well under a millisecond a step, so the streams' own delivery sets the pace.
@@ -54,13 +54,6 @@ def _router_sees_healthy(base: str, address: str) -> bool:
         body = json.loads(e.read())
     (worker,) = [w for w in body["decode"] if w["address"] == address]
     return worker["healthy"]
-
-
-def _victim_running(metrics_port: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as resp:
-        text = resp.read().decode()
-    found = re.findall(r"^cleave_num_requests_running(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for v in found)
 
 
 async def _stream(client: openai.AsyncOpenAI, model: str) -> tuple[int, str]:
@@ -105,7 +98,7 @@ async def _drive(base: str, model: str, victim) -> None:
         # waits its turn here can come after the victim has finished them all. The victim's own gauge
         # says when its streams run (the client's first chunks can trail its engine by its whole run).
         deadline = time.monotonic() + 120
-        while _victim_running(victim.info["metrics_port"]) < 1:
+        while scrape(victim.info["metrics_port"], "cleave_num_requests_running") < 1:
             assert time.monotonic() < deadline, "the streams did not start on the victim"
             time.sleep(0.005)
         before = _health_status(victim.info["metrics_port"])
