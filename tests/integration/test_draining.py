@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 import openai
 import pytest
@@ -72,9 +73,9 @@ async def _stream(client: openai.AsyncOpenAI, model: str) -> tuple[int, str]:
 def test_sigterm_during_streams_drains_and_exits_zero(model_dir) -> None:
     workers = [wait_worker(start_worker("decode", model_dir, "--drain-timeout", "60")) for _ in range(2)]
     router, base = start_router(model_dir, [], workers, "--health-interval", "0.5")
-    victim, survivor = workers
     try:
-        asyncio.run(_drive(base, str(model_dir), victim))
+        victim = asyncio.run(_drive(base, str(model_dir), workers))
+        (survivor,) = [w for w in workers if w is not victim]
         assert victim.popen.wait(timeout=90) == 0, "".join(victim.lines[-30:])
         drained = [line for line in victim.lines if "drain_started" in line]
         assert drained and int(re.search(r"in_flight=(\d+)", drained[0]).group(1)) > 0, "SIGTERM came too late"
@@ -89,23 +90,29 @@ def test_sigterm_during_streams_drains_and_exits_zero(model_dir) -> None:
             proc.stop()
 
 
-async def _drive(base: str, model: str, victim) -> None:
+async def _drive(base: str, model: str, workers: list) -> Any:
+    """Streams through the router; SIGTERMs the first worker seen running some of them (the victim, returned)."""
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
     tasks = [asyncio.create_task(_stream(client, model)) for _ in range(NUM_STREAMS)]
 
-    def sigterm_once_streaming() -> tuple[int, bool]:
+    def sigterm_once_streaming() -> tuple[Any, int, bool]:
         # From a thread: this event loop is busy reading the streams' chunks, and a signal or a poll that
-        # waits its turn here can come after the victim has finished them all. The victim's own gauge
-        # says when its streams run (the client's first chunks can trail its engine by its whole run).
+        # waits its turn here can come after the victim has finished them all. The workers' own gauges
+        # say where streams run (the client's first chunks can trail an engine by its whole run, and the
+        # router may well send all 40 to one worker).
         deadline = time.monotonic() + 120
-        while scrape(victim.info["metrics_port"], "cleave_num_requests_running") < 1:
-            assert time.monotonic() < deadline, "the streams did not start on the victim"
+        while True:
+            running = [w for w in workers if scrape(w.info["metrics_port"], "cleave_num_requests_running") >= 1]
+            if running:
+                break
+            assert time.monotonic() < deadline, "the streams did not start"
             time.sleep(0.005)
+        victim = running[0]
         before = _health_status(victim.info["metrics_port"])
         victim.popen.send_signal(signal.SIGTERM)
-        return before, _reports_unhealthy_within(victim.info["metrics_port"], 10)
+        return victim, before, _reports_unhealthy_within(victim.info["metrics_port"], 10)
 
-    before, unhealthy = await asyncio.to_thread(sigterm_once_streaming)
+    victim, before, unhealthy = await asyncio.to_thread(sigterm_once_streaming)
     assert before == 200
     assert unhealthy, "drained worker still reports healthy"  # at once, while its streams still run
     # The router marks it unhealthy within a health poll (0.5 s here), while its streams still run.
@@ -123,3 +130,4 @@ async def _drive(base: str, model: str, victim) -> None:
     for num_chunks, finish in results:
         assert finish == "length" and num_chunks >= MAX_TOKENS
     await client.close()
+    return victim
