@@ -147,6 +147,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.linear_f32.restype = None
         lib.linear_f32_available.argtypes = []
         lib.linear_f32_available.restype = ctypes.c_int
+    if hasattr(lib, "linear_f32_packed"):  # likewise: without it, linear_f32 on the weights as they are
+        lib.linear_f32_packed_floats.argtypes = [i32, i32]
+        lib.linear_f32_packed_floats.restype = i64
+        lib.linear_f32_pack.argtypes = [ptr, i32, i32, ptr]
+        lib.linear_f32_pack.restype = None
+        lib.linear_f32_packed.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
+        lib.linear_f32_packed.restype = None
     if hasattr(lib, "pool_count_items"):  # the tests' view of the kernels' parallel loop (csrc/pool.c)
         lib.pool_count_items.argtypes = [i64, i64, ptr]
         lib.pool_count_items.restype = None
@@ -342,6 +349,34 @@ def native_linear() -> bool:
 _native_linear: bool | None = None
 
 
+_packing_enabled = os.environ.get("CLEAVE_PACKED_WEIGHTS", "1") != "0"
+PACKED_ATTR = "_cleave_packed"  # on a weight tensor: (data_ptr, version, packed copy)
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of a float32 CPU ``weight`` [N, K] that the AVX-512 kernel reads (``csrc/gemm.c``:
+    panels of 32 columns, k-major), made on first use and kept on the tensor; made again once the weight
+    is written in place (its version moves) or its storage changes. None where the library has no packed
+    kernel (AVX2 builds) or ``CLEAVE_PACKED_WEIGHTS=0``: ``linear`` then reads the weight as it is. Costs
+    one more copy of the weight."""
+    lib = load()
+    if lib is None or not hasattr(lib, "linear_f32_packed") or not native_linear() or not _packing_enabled:
+        return None
+    n, k = weight.shape
+    floats = lib.linear_f32_packed_floats(n, k)
+    if floats <= 0:
+        return None
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, PACKED_ATTR, None)
+    if cached is not None and cached[:2] == key:
+        return cached[2]
+    packed = torch.empty(floats, dtype=torch.float32)  # CPU tensors start 64-byte aligned, as the kernel loads
+    assert packed.data_ptr() % 64 == 0
+    lib.linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    setattr(weight, PACKED_ATTR, (*key, packed))
+    return packed
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight.T`` for float32 CPU ``x`` [..., K] and ``weight`` [N, K] on the native kernel, whose
     result for a row does not depend on the other rows; None where it does not apply."""
@@ -355,8 +390,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
     lib = load()
     assert lib is not None
-    lib.linear_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
-                   rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
+    packed = packed_weight(weight)
+    if packed is not None:
+        lib.linear_f32_packed(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), weight.shape[0],
+                              rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
+    else:
+        lib.linear_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
+                       rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
     return out
 
 

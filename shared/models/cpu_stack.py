@@ -34,8 +34,12 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # what the native attention ke
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
-                                                      "input_norm", "post_norm")] + [
+                                                      "input_norm", "post_norm", "qkv_packed", "o_packed",
+                                                      "gate_up_packed", "down_packed")] + [
         ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float)]  # fmt: skip
+
+
+PROJECTIONS = 4  # the first four of a layer's weight modules: their packed copies follow the norms
 
 
 class _ForwardArgs(ctypes.Structure):
@@ -124,11 +128,13 @@ class CpuStack:
         sgemm = torch_sgemm()
         return None if sgemm is None else CpuStack(model, lib, sgemm)
 
-    def _weight_ptrs(self) -> list[int]:
-        """The addresses of the weights the native forward reads, from the modules that hold them (walking
-        ``model.parameters()`` every step cost 0.37 ms, a fortieth of a small step). A weight replaced on
-        its module (``module.weight = ...``) or moved is seen; the modules are taken once."""
-        return [module._parameters["weight"].data_ptr() for module in self._weight_modules]  # type: ignore[union-attr]
+    def _weight_ptrs(self) -> list[tuple[int, int]]:
+        """The addresses and versions of the weights the native forward reads, from the modules that hold
+        them (walking ``model.parameters()`` every step cost 0.37 ms, a fortieth of a small step). A weight
+        replaced on its module (``module.weight = ...``), moved, or written in place (whose packed copy
+        is then stale) is seen; the modules are taken once."""
+        weights = [module._parameters["weight"] for module in self._weight_modules]
+        return [(w.data_ptr(), w._version) for w in weights]  # type: ignore[union-attr]
 
     def _point_at_weights(self) -> None:
         """The layers' weight addresses as the native forward reads them (again if a weight moved)."""
@@ -137,10 +143,16 @@ class CpuStack:
         self._weight_modules = [module for group in groups for module in group]
         self.weight_ptrs = self._weight_ptrs()
         size = len(groups[0]) if groups else 0
+
+        def packed(module) -> int | None:  # the projection's packed copy, where the native kernel reads one
+            copy = cpu_kernels.packed_weight(module.weight) if self.sgemm is None else None
+            return None if copy is None else copy.data_ptr()
+
         self.layer_weights = (_LayerWeights * len(layers))(*[
-            _LayerWeights(*self.weight_ptrs[i * size : (i + 1) * size], la.input_layernorm.eps,
-                          la.post_attention_layernorm.eps)
-            for i, la in enumerate(layers)
+            _LayerWeights(*[ptr for ptr, _ in self.weight_ptrs[i * size : (i + 1) * size]],
+                          *[packed(module) for module in group[:PROJECTIONS]],
+                          la.input_layernorm.eps, la.post_attention_layernorm.eps)
+            for i, (la, group) in enumerate(zip(layers, groups, strict=True))
         ])  # fmt: skip
 
     def supports(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:

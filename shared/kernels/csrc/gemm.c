@@ -1,16 +1,22 @@
 /*
- * A linear layer's product, y[M, N] = x[M, K] . w[N, K]^T in float32, on the weights as the model
- * holds them (no packed copy). Tiles of R rows x C columns with R * C = 16 (4 x 4, 2 x 8, 1 x 16):
- * per 16 values of k, R rows of x and C rows of w are loaded once and give 16 lane-wise FMAs, and a
- * tile's 16 partial-sum vectors are reduced together in one add tree. Without AVX-512 (AVX2 and FMA:
- * 16 registers of 8 lanes), tiles of 3 x 4, 2 x 4 and 1 x 8, in column blocks that stay in L1.
+ * A linear layer's product, y[M, N] = x[M, K] . w[N, K]^T in float32.
  *
- * Every output is the same sequence of operations whatever M, N, the tile shape or the thread that
- * computes it: 16 lanes accumulate k = lane, lane + 16, ... in order, then one fixed tree adds the
- * lanes. A row's result therefore does not depend on the other rows of the batch (a request's
- * tokens do not change with who else is in the step), and the model's Python path and its one-call
- * forward (llama_forward.c), which both come here, agree bit for bit. (An AVX2 build adds 8 lanes, an
- * AVX-512 build 16: each is consistent with itself.)
+ * With AVX-512, on a packed copy of the weights (linear_f32_pack: panels of 32 columns, each stored
+ * k-major, [K][32]): tiles of R rows x 64 columns (two panels) keep R x 4 vectors of sums in registers;
+ * per k, four vectors of the panels and R broadcast values of x give 4R FMAs, and the sums are the
+ * outputs themselves, stored once at the end. Every output is one FMA chain over k = 0, 1, ... K - 1
+ * from zero, whatever M, N, the tile or the thread, so a row's result does not depend on the other
+ * rows of the batch (a request's tokens do not change with who else is in the step), and the model's
+ * Python path and its one-call forward (llama_forward.c), which both come here, agree bit for bit.
+ *
+ * On the weights as the model holds them (linear_f32, no packed copy; what AVX2 builds and callers
+ * without a packed copy use): tiles of R rows x C columns that take dot products along k. With
+ * AVX-512, R * C = 16 (4 x 4, 2 x 8, 1 x 16): per 16 values of k, R rows of x and C rows of w are
+ * loaded once and give 16 lane-wise FMAs, and a tile's 16 partial-sum vectors are reduced together in
+ * one add tree; with AVX2 and FMA (16 registers of 8 lanes), tiles of 3 x 4, 2 x 4 and 1 x 8, in column
+ * blocks that stay in L1. Each is likewise the same sequence of operations for every output (16 or 8
+ * lanes accumulate k = lane, lane + 16 or 8, ... in order, then one fixed tree adds the lanes); the
+ * three are consistent each with itself, not with one another.
  */
 #include <stdint.h>
 
@@ -77,6 +83,144 @@ static int block_columns(int k) {
 }
 #define NATIVE_LINEAR 1
 
+/* The packed layout: panel p holds columns [32p, 32p + 32) of y as [K][32] floats (w transposed; the
+ * columns past N are zeros). */
+#define PANEL 32
+#define PACKED_ROWS 6 /* a tile's rows: 6 x 4 sums + 4 weight vectors + 1 broadcast <= 32 registers */
+
+int64_t linear_f32_packed_floats(int n, int k) {
+    return n > 0 && k > 0 ? (int64_t)((n + PANEL - 1) / PANEL) * PANEL * k : 0;
+}
+
+typedef struct {
+    const float *w;
+    float *packed;
+    int n, k;
+} PackArgs;
+
+static void pack_panels(void *p, int64_t p0, int64_t p1) {
+    const PackArgs *a = p;
+    for (int64_t panel = p0; panel < p1; panel++) {
+        float *dst = a->packed + panel * PANEL * a->k;
+        for (int j = 0; j < PANEL; j++) {
+            const int64_t col = panel * PANEL + j;
+            if (col < a->n) {
+                const float *src = a->w + col * a->k;
+                for (int kk = 0; kk < a->k; kk++) dst[(int64_t)kk * PANEL + j] = src[kk];
+            } else {
+                for (int kk = 0; kk < a->k; kk++) dst[(int64_t)kk * PANEL + j] = 0.f;
+            }
+        }
+    }
+}
+
+/* packed (linear_f32_packed_floats(n, k) floats) = w [n, k] in panels. */
+void linear_f32_pack(const float *w, int n, int k, float *packed) {
+    if (n <= 0 || k <= 0) return;
+    PackArgs a = {w, packed, n, k};
+    pool_for((n + PANEL - 1) / PANEL, 1, pack_panels, &a);
+}
+
+/* y[r][c] for r < rows <= R, c < cols <= 64 from panels p0 and p1 (p1 == p0 where only one is real: its
+ * sums are computed and not stored); missing rows repeat the last real one. */
+static inline __attribute__((always_inline)) void packed_tile(const int R, const float *x, int64_t ldx,
+                                                              const float *p0, const float *p1, float *y,
+                                                              int64_t ldy, int rows, int cols, int k) {
+    const float *xr[PACKED_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
+    __m512 acc[PACKED_ROWS][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        const __m512 w0 = _mm512_load_ps(p0 + (int64_t)kk * PANEL), w1 = _mm512_load_ps(p0 + (int64_t)kk * PANEL + 16);
+        const __m512 w2 = _mm512_load_ps(p1 + (int64_t)kk * PANEL), w3 = _mm512_load_ps(p1 + (int64_t)kk * PANEL + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512 b = _mm512_set1_ps(xr[r][kk]);
+            acc[r][0] = _mm512_fmadd_ps(b, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(b, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(b, w2, acc[r][2]);
+            acc[r][3] = _mm512_fmadd_ps(b, w3, acc[r][3]);
+        }
+    }
+    __mmask16 mask[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        const int left = cols - 16 * v;
+        mask[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4 && r < rows; v++) _mm512_mask_storeu_ps(y + (int64_t)r * ldy + 16 * v, mask[v], acc[r][v]);
+}
+
+static void packed_tile_a(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
+                          int rows, int cols, int k) {
+    packed_tile(PACKED_ROWS, x, ldx, p0, p1, y, ldy, rows, cols, k);
+}
+static void packed_tile_4(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
+                          int rows, int cols, int k) {
+    packed_tile(4, x, ldx, p0, p1, y, ldy, rows, cols, k);
+}
+static void packed_tile_2(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
+                          int rows, int cols, int k) {
+    packed_tile(2, x, ldx, p0, p1, y, ldy, rows, cols, k);
+}
+static void packed_tile_row(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
+                            int rows, int cols, int k) {
+    packed_tile(1, x, ldx, p0, p1, y, ldy, rows, cols, k);
+}
+
+typedef struct {
+    const float *x, *packed;
+    float *y;
+    int64_t ldx, ldy;
+    int m, n, k;
+} PackedArgs;
+
+/* Column blocks [b0, b1) of 64 columns (two panels), every row: tiles of 6 rows, then the last 1-5 rows
+ * in one tile of 6, 4, 2 or 1 rows (where it has more rows than are left, one repeats: not stored). */
+static void packed_blocks(void *p, int64_t b0, int64_t b1) {
+    const PackedArgs *a = p;
+    const int64_t panel_floats = (int64_t)PANEL * a->k;
+    for (int64_t b = b0; b < b1; b++) {
+        const int n0 = (int)b * 2 * PANEL, cols = a->n - n0 < 2 * PANEL ? a->n - n0 : 2 * PANEL;
+        const float *p0 = a->packed + 2 * b * panel_floats, *p1 = cols > PANEL ? p0 + panel_floats : p0;
+        const float *x = a->x;
+        float *y = a->y + n0;
+        int r0 = 0;
+        for (; r0 + PACKED_ROWS <= a->m; r0 += PACKED_ROWS)
+            packed_tile_a(x + r0 * a->ldx, a->ldx, p0, p1, y + r0 * a->ldy, a->ldy, PACKED_ROWS, cols, a->k);
+        const int left = a->m - r0;
+        const float *xl = x + r0 * a->ldx;
+        float *yl = y + r0 * a->ldy;
+        if (left == 5)
+            packed_tile_a(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
+        else if (left >= 3)
+            packed_tile_4(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
+        else if (left == 2)
+            packed_tile_2(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
+        else if (left == 1)
+            packed_tile_row(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
+    }
+}
+
+/* y (row stride ldy) = x (row stride ldx) . w^T from w's packed copy (linear_f32_pack; 64-byte aligned).
+ * Threads split the column blocks. */
+void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
+    if (m <= 0 || n <= 0) return;
+    const int blocks = (n + 2 * PANEL - 1) / (2 * PANEL);
+    PackedArgs a = {x, packed, y, ldx, ldy, m, n, k};
+    if ((int64_t)m * n * k < 65536)
+        packed_blocks(&a, 0, blocks);
+    else
+        pool_for(blocks, 1, packed_blocks, &a);
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 #include "pool.h"
 #include "simd.h"
@@ -141,6 +285,18 @@ static int block_columns(int k) {
 #define NATIVE_LINEAR 1
 #endif
 
+#if defined(NATIVE_LINEAR) && !defined(__AVX512F__)
+/* Without AVX-512 there is no packed kernel: callers keep linear_f32 on the weights as they are. */
+int64_t linear_f32_packed_floats(int n, int k) {
+    (void)n, (void)k;
+    return 0;
+}
+void linear_f32_pack(const float *w, int n, int k, float *packed) { (void)w, (void)n, (void)k, (void)packed; }
+void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+}
+#endif
+
 #if defined(NATIVE_LINEAR)
 static void tile_a(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows, int cols,
                    int k) {
@@ -202,6 +358,15 @@ void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t l
 }
 
 #else /* neither AVX-512 nor AVX2 with FMA: callers keep torch's BLAS */
+
+int64_t linear_f32_packed_floats(int n, int k) {
+    (void)n, (void)k;
+    return 0;
+}
+void linear_f32_pack(const float *w, int n, int k, float *packed) { (void)w, (void)n, (void)k, (void)packed; }
+void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+}
 
 int linear_f32_available(void) { return 0; }
 

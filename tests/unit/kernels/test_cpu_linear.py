@@ -55,3 +55,32 @@ def test_declines_what_it_does_not_do():
     assert cpu_kernels.linear(x.double(), w.double()) is None
     assert cpu_kernels.linear(x, w.T.contiguous().T) is None  # weight not contiguous
     assert cpu_kernels.linear(x, torch.randn(4, 9)) is None  # feature mismatch
+
+
+def test_packed_copy_is_made_again_after_an_in_place_write():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 70, generator=gen), torch.randn(45, 70, generator=gen)
+    before = cpu_kernels.linear(x, w)
+    w.mul_(2)  # exact: every product and partial sum doubles
+    after = cpu_kernels.linear(x, w)
+    assert before is not None and after is not None and torch.equal(after, before * 2)
+    w.copy_(torch.randn(45, 70, generator=gen))
+    expected = x.double() @ w.double().T
+    again = cpu_kernels.linear(x, w)
+    assert again is not None and (again.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_packed_and_unpacked_products_agree_to_rounding():
+    """Where the library packs weights (AVX-512), the packed product is the one used; both are products."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(13, 384, generator=gen), torch.randn(200, 384, generator=gen)
+    packed = cpu_kernels.packed_weight(w)
+    if packed is None:
+        pytest.skip("no packed kernel in this build (AVX2)")
+    assert packed.numel() == 224 * 384 and packed.data_ptr() % 64 == 0  # 7 panels of 32, the last padded
+    assert torch.equal(packed.view(7, 384, 32)[6, :, 8:], torch.zeros(384, 24))
+    assert torch.equal(packed.view(7, 384, 32)[1, 5], w[32:64, 5])  # k-major panels
+    lib = cpu_kernels.load()
+    out = torch.empty(13, 200)
+    lib.linear_f32(x.data_ptr(), 384, w.data_ptr(), out.data_ptr(), 200, 13, 200, 384)
+    torch.testing.assert_close(cpu_kernels.linear(x, w), out, atol=1e-4, rtol=1e-5)

@@ -78,3 +78,21 @@ def test_native_forward_follows_a_replaced_weight(checkpoint_factory):
     slow, slow_cache = _run(reference, "modules")
     assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
     assert torch.equal(fast_cache, slow_cache)
+
+
+def test_native_forward_follows_a_weight_written_in_place(checkpoint_factory):
+    """A weight overwritten in its own storage after the stack was built: its packed copy is made again."""
+    model_dir = checkpoint_factory("llama")
+    model, _ = load_model(model_dir, dtype="float32")
+    if model.cpu_stack(TorchAttentionBackend()) is None:
+        pytest.skip("no native forward here")
+    reference, _ = load_model(model_dir, dtype="float32")
+    _run(model, "native")  # built, packed and used once
+    for m in (model, reference):
+        qkv = m.decoder_layers()[0].self_attn.qkv_proj
+        with torch.no_grad():
+            qkv.weight.mul_(-0.5)  # same storage, new values
+    fast, fast_cache = _run(model, "native")
+    slow, slow_cache = _run(reference, "modules")
+    assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
+    assert torch.equal(fast_cache, slow_cache)
