@@ -83,49 +83,17 @@ static int block_columns(int k) {
 }
 #define NATIVE_LINEAR 1
 
-/* The packed layout: panel p holds columns [32p, 32p + 32) of y as [K][32] floats (w transposed; the
- * columns past N are zeros). */
+/* The packed layout (see linear_f32_pack): panels of 32 columns (two vectors); a tile covers two panels. */
 #define PANEL 32
+#define BLOCK_PANELS 2
 #define PACKED_ROWS 6 /* a tile's rows: 6 x 4 sums + 4 weight vectors + 1 broadcast <= 32 registers */
 
-int64_t linear_f32_packed_floats(int n, int k) {
-    return n > 0 && k > 0 ? (int64_t)((n + PANEL - 1) / PANEL) * PANEL * k : 0;
-}
-
-typedef struct {
-    const float *w;
-    float *packed;
-    int n, k;
-} PackArgs;
-
-static void pack_panels(void *p, int64_t p0, int64_t p1) {
-    const PackArgs *a = p;
-    for (int64_t panel = p0; panel < p1; panel++) {
-        float *dst = a->packed + panel * PANEL * a->k;
-        for (int j = 0; j < PANEL; j++) {
-            const int64_t col = panel * PANEL + j;
-            if (col < a->n) {
-                const float *src = a->w + col * a->k;
-                for (int kk = 0; kk < a->k; kk++) dst[(int64_t)kk * PANEL + j] = src[kk];
-            } else {
-                for (int kk = 0; kk < a->k; kk++) dst[(int64_t)kk * PANEL + j] = 0.f;
-            }
-        }
-    }
-}
-
-/* packed (linear_f32_packed_floats(n, k) floats) = w [n, k] in panels. */
-void linear_f32_pack(const float *w, int n, int k, float *packed) {
-    if (n <= 0 || k <= 0) return;
-    PackArgs a = {w, packed, n, k};
-    pool_for((n + PANEL - 1) / PANEL, 1, pack_panels, &a);
-}
-
-/* y[r][c] for r < rows <= R, c < cols <= 64 from panels p0 and p1 (p1 == p0 where only one is real: its
- * sums are computed and not stored); missing rows repeat the last real one. */
+/* y[r][c] for r < rows <= R, c < cols <= 64 from the panels at p and p + panel_floats (where cols <= 32
+ * the second is p again: its sums are computed and not stored); missing rows repeat the last real one. */
 static inline __attribute__((always_inline)) void packed_tile(const int R, const float *x, int64_t ldx,
-                                                              const float *p0, const float *p1, float *y,
+                                                              const float *p, int64_t panel_floats, float *y,
                                                               int64_t ldy, int rows, int cols, int k) {
+    const float *p0 = p, *p1 = cols > PANEL ? p + panel_floats : p;
     const float *xr[PACKED_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
@@ -156,69 +124,6 @@ static inline __attribute__((always_inline)) void packed_tile(const int R, const
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < 4 && r < rows; v++) _mm512_mask_storeu_ps(y + (int64_t)r * ldy + 16 * v, mask[v], acc[r][v]);
-}
-
-static void packed_tile_a(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
-                          int rows, int cols, int k) {
-    packed_tile(PACKED_ROWS, x, ldx, p0, p1, y, ldy, rows, cols, k);
-}
-static void packed_tile_4(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
-                          int rows, int cols, int k) {
-    packed_tile(4, x, ldx, p0, p1, y, ldy, rows, cols, k);
-}
-static void packed_tile_2(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
-                          int rows, int cols, int k) {
-    packed_tile(2, x, ldx, p0, p1, y, ldy, rows, cols, k);
-}
-static void packed_tile_row(const float *x, int64_t ldx, const float *p0, const float *p1, float *y, int64_t ldy,
-                            int rows, int cols, int k) {
-    packed_tile(1, x, ldx, p0, p1, y, ldy, rows, cols, k);
-}
-
-typedef struct {
-    const float *x, *packed;
-    float *y;
-    int64_t ldx, ldy;
-    int m, n, k;
-} PackedArgs;
-
-/* Column blocks [b0, b1) of 64 columns (two panels), every row: tiles of 6 rows, then the last 1-5 rows
- * in one tile of 6, 4, 2 or 1 rows (where it has more rows than are left, one repeats: not stored). */
-static void packed_blocks(void *p, int64_t b0, int64_t b1) {
-    const PackedArgs *a = p;
-    const int64_t panel_floats = (int64_t)PANEL * a->k;
-    for (int64_t b = b0; b < b1; b++) {
-        const int n0 = (int)b * 2 * PANEL, cols = a->n - n0 < 2 * PANEL ? a->n - n0 : 2 * PANEL;
-        const float *p0 = a->packed + 2 * b * panel_floats, *p1 = cols > PANEL ? p0 + panel_floats : p0;
-        const float *x = a->x;
-        float *y = a->y + n0;
-        int r0 = 0;
-        for (; r0 + PACKED_ROWS <= a->m; r0 += PACKED_ROWS)
-            packed_tile_a(x + r0 * a->ldx, a->ldx, p0, p1, y + r0 * a->ldy, a->ldy, PACKED_ROWS, cols, a->k);
-        const int left = a->m - r0;
-        const float *xl = x + r0 * a->ldx;
-        float *yl = y + r0 * a->ldy;
-        if (left == 5)
-            packed_tile_a(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
-        else if (left >= 3)
-            packed_tile_4(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
-        else if (left == 2)
-            packed_tile_2(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
-        else if (left == 1)
-            packed_tile_row(xl, a->ldx, p0, p1, yl, a->ldy, left, cols, a->k);
-    }
-}
-
-/* y (row stride ldy) = x (row stride ldx) . w^T from w's packed copy (linear_f32_pack; 64-byte aligned).
- * Threads split the column blocks. */
-void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
-    if (m <= 0 || n <= 0) return;
-    const int blocks = (n + 2 * PANEL - 1) / (2 * PANEL);
-    PackedArgs a = {x, packed, y, ldx, ldy, m, n, k};
-    if ((int64_t)m * n * k < 65536)
-        packed_blocks(&a, 0, blocks);
-    else
-        pool_for(blocks, 1, packed_blocks, &a);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -285,18 +190,6 @@ static int block_columns(int k) {
 #define NATIVE_LINEAR 1
 #endif
 
-#if defined(NATIVE_LINEAR) && !defined(__AVX512F__)
-/* Without AVX-512 there is no packed kernel: callers keep linear_f32 on the weights as they are. */
-int64_t linear_f32_packed_floats(int n, int k) {
-    (void)n, (void)k;
-    return 0;
-}
-void linear_f32_pack(const float *w, int n, int k, float *packed) { (void)w, (void)n, (void)k, (void)packed; }
-void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
-    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
-}
-#endif
-
 #if defined(NATIVE_LINEAR)
 static void tile_a(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int rows, int cols,
                    int k) {
@@ -330,6 +223,117 @@ static void column_block(const float *x, int64_t ldx, const float *w, float *y, 
 }
 
 int linear_f32_available(void) { return 1; }
+
+#if !defined(PANEL)
+/* No packed kernel in this build (AVX2: measured on a Xeon, the 6 x 16 tile gained 5-10% from 8 rows up
+ * and lost 15-25% at 1-3 rows, a decode step's batch): callers keep linear_f32 on the weights as they are. */
+int64_t linear_f32_packed_floats(int n, int k) {
+    (void)n, (void)k;
+    return 0;
+}
+void linear_f32_pack(const float *w, int n, int k, float *packed) { (void)w, (void)n, (void)k, (void)packed; }
+void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+}
+#else
+/* The packed copy: panel p holds columns [PANEL p, PANEL (p + 1)) of y as [K][PANEL] floats (w transposed;
+ * the columns past N are zeros). */
+int64_t linear_f32_packed_floats(int n, int k) {
+    return n > 0 && k > 0 ? (int64_t)((n + PANEL - 1) / PANEL) * PANEL * k : 0;
+}
+
+typedef struct {
+    const float *w;
+    float *packed;
+    int n, k;
+} PackArgs;
+
+static void pack_panels(void *p, int64_t p0, int64_t p1) {
+    const PackArgs *a = p;
+    for (int64_t panel = p0; panel < p1; panel++) {
+        float *dst = a->packed + panel * PANEL * a->k;
+        for (int j = 0; j < PANEL; j++) {
+            const int64_t col = panel * PANEL + j;
+            if (col < a->n) {
+                const float *src = a->w + col * a->k;
+                for (int kk = 0; kk < a->k; kk++) dst[(int64_t)kk * PANEL + j] = src[kk];
+            } else {
+                for (int kk = 0; kk < a->k; kk++) dst[(int64_t)kk * PANEL + j] = 0.f;
+            }
+        }
+    }
+}
+
+/* packed (linear_f32_packed_floats(n, k) floats) = w [n, k] in panels. */
+void linear_f32_pack(const float *w, int n, int k, float *packed) {
+    if (n <= 0 || k <= 0) return;
+    PackArgs a = {w, packed, n, k};
+    pool_for((n + PANEL - 1) / PANEL, 1, pack_panels, &a);
+}
+
+static void packed_tile_a(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
+                          int64_t ldy, int rows, int cols, int k) {
+    packed_tile(PACKED_ROWS, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+}
+static void packed_tile_4(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
+                          int64_t ldy, int rows, int cols, int k) {
+    packed_tile(4, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+}
+static void packed_tile_2(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
+                          int64_t ldy, int rows, int cols, int k) {
+    packed_tile(2, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+}
+static void packed_tile_row(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
+                            int64_t ldy, int rows, int cols, int k) {
+    packed_tile(1, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+}
+
+typedef struct {
+    const float *x, *packed;
+    float *y;
+    int64_t ldx, ldy;
+    int m, n, k;
+} PackedArgs;
+
+/* Column blocks [b0, b1) of BLOCK_PANELS panels, every row: tiles of 6 rows, then the last 1-5 rows in
+ * one tile of 6, 4, 2 or 1 rows (where it has more rows than are left, one repeats: not stored). */
+static void packed_blocks(void *p, int64_t b0, int64_t b1) {
+    const PackedArgs *a = p;
+    const int64_t panel_floats = (int64_t)PANEL * a->k, block_cols = (int64_t)BLOCK_PANELS * PANEL;
+    for (int64_t b = b0; b < b1; b++) {
+        const int n0 = (int)(b * block_cols), cols = a->n - n0 < block_cols ? a->n - n0 : (int)block_cols;
+        const float *panels = a->packed + b * BLOCK_PANELS * panel_floats, *x = a->x;
+        float *y = a->y + n0;
+        int r0 = 0;
+        for (; r0 + PACKED_ROWS <= a->m; r0 += PACKED_ROWS)
+            packed_tile_a(x + r0 * a->ldx, a->ldx, panels, panel_floats, y + r0 * a->ldy, a->ldy, PACKED_ROWS, cols,
+                          a->k);
+        const int left = a->m - r0;
+        const float *xl = x + r0 * a->ldx;
+        float *yl = y + r0 * a->ldy;
+        if (left == 5)
+            packed_tile_a(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
+        else if (left >= 3)
+            packed_tile_4(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
+        else if (left == 2)
+            packed_tile_2(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
+        else if (left == 1)
+            packed_tile_row(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
+    }
+}
+
+/* y (row stride ldy) = x (row stride ldx) . w^T from w's packed copy (linear_f32_pack; 64-byte aligned).
+ * Threads split the column blocks. */
+void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
+    if (m <= 0 || n <= 0) return;
+    const int block_cols = BLOCK_PANELS * PANEL, blocks = (n + block_cols - 1) / block_cols;
+    PackedArgs a = {x, packed, y, ldx, ldy, m, n, k};
+    if ((int64_t)m * n * k < 65536)
+        packed_blocks(&a, 0, blocks);
+    else
+        pool_for(blocks, 64 / block_cols, packed_blocks, &a); /* 64 columns a chunk, as linear_f32's blocks */
+}
+#endif
 
 typedef struct {
     const float *x, *w;
