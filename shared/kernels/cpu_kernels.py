@@ -350,15 +350,33 @@ _native_linear: bool | None = None
 
 
 _packing_enabled = os.environ.get("CLEAVE_PACKED_WEIGHTS", "1") != "0"
-PACKED_ATTR = "_cleave_packed"  # on a weight tensor: (data_ptr, version, packed copy)
+PACKED_ATTR = "_cleave_packed"  # on a weight tensor: (data_ptr, version, packed copy or None: not packed)
+# A weight is packed only while its copy takes at most this share of the memory the kernel reports
+# available: a model that fits the machine must not stop fitting for a faster product. The weights left
+# unpacked run on linear_f32 (their rows stay batch-invariant: the choice is made once per weight).
+PACK_MEMORY_SHARE = 0.25
+_refusals_logged = False
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo``, or None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a float32 CPU ``weight`` [N, K] that the AVX-512 kernel reads (``csrc/gemm.c``:
     panels of 32 columns, k-major), made on first use and kept on the tensor; made again once the weight
     is written in place (its version moves) or its storage changes. None where the library has no packed
-    kernel (AVX2 builds) or ``CLEAVE_PACKED_WEIGHTS=0``: ``linear`` then reads the weight as it is. Costs
-    one more copy of the weight."""
+    kernel (AVX2 builds), ``CLEAVE_PACKED_WEIGHTS=0``, or where the copy would take more than
+    ``PACK_MEMORY_SHARE`` of the available memory: ``linear`` then reads the weight as it is. Costs one more
+    copy of the weight."""
     lib = load()
     if lib is None or not hasattr(lib, "linear_f32_packed") or not native_linear() or not _packing_enabled:
         return None
@@ -370,6 +388,18 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     cached = getattr(weight, PACKED_ATTR, None)
     if cached is not None and cached[:2] == key:
         return cached[2]
+    if cached is not None and cached[2] is None:
+        return None  # refused once: stays on linear_f32, so that its results do not change while serving
+    available = available_memory_bytes()
+    if available is not None and floats * 4 > PACK_MEMORY_SHARE * available:
+        global _refusals_logged
+        if not _refusals_logged:
+            _refusals_logged = True
+            logger.warning("packed_weights_refused shape=%s bytes=%d available=%d: this weight and any other "
+                           "that does not fit keep the unpacked projection", tuple(weight.shape), floats * 4,
+                           available)  # fmt: skip
+        setattr(weight, PACKED_ATTR, (*key, None))
+        return None
     packed = torch.empty(floats, dtype=torch.float32)  # CPU tensors start 64-byte aligned, as the kernel loads
     assert packed.data_ptr() % 64 == 0
     lib.linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())

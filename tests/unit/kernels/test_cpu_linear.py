@@ -84,3 +84,19 @@ def test_packed_and_unpacked_products_agree_to_rounding():
     out = torch.empty(13, 200)
     lib.linear_f32(x.data_ptr(), 384, w.data_ptr(), out.data_ptr(), 200, 13, 200, 384)
     torch.testing.assert_close(cpu_kernels.linear(x, w), out, atol=1e-4, rtol=1e-5)
+
+
+def test_a_weight_whose_copy_does_not_fit_stays_unpacked(monkeypatch):
+    """Refused once, always refused: its results must not change when memory frees up later."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(4, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    lib = cpu_kernels.load()
+    if cpu_kernels.packed_weight(torch.randn(40, 64)) is None:
+        pytest.skip("no packed kernel in this build (AVX2)")
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 1000)  # less than 4 x the copy
+    assert cpu_kernels.packed_weight(w) is None
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 1 << 40)
+    assert cpu_kernels.packed_weight(w) is None
+    out = torch.empty(4, 40)
+    lib.linear_f32(x.data_ptr(), 64, w.data_ptr(), out.data_ptr(), 40, 4, 40, 64)
+    assert torch.equal(cpu_kernels.linear(x, w), out)  # the unpacked kernel, bit for bit
