@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -49,6 +50,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "CPUs and the prefill workers and the router on the rest, so that a decode step never "
                              "waits for a core a prefill holds (steadier inter-token latency, more tokens/s on 2 "
                              "cores); off: every process may run anywhere")  # fmt: skip
+    parser.add_argument("--no-cpu-lending", action="store_true",
+                        default=env_default("--no-cpu-lending", "").lower() in ("1", "true"),
+                        help="under the CPU split, keep the decode workers off the prefill workers' CPUs also "
+                             "while no prefill worker computes (by default the decode workers' kernels borrow "
+                             "them then, and give them back at their next step once a prefill starts)")  # fmt: skip
     parser.add_argument("--redis", action="store_true",
                         help="also start a local redis-server; workers register in it and the router discovers them")  # fmt: skip
     return flags.parse_known_args(parser, argv)
@@ -76,6 +82,16 @@ def split_cpus(args: argparse.Namespace, worker_args: list[str]) -> tuple[frozen
         return None
     half = len(cpus) // 2
     return frozenset(cpus[:half]), frozenset(cpus[half:])
+
+
+def create_core_share_file(slots: int) -> str:
+    """A zeroed file of eight bytes per prefill worker for ``--core-share`` (shared.engine.cpu_threads.CoreShare),
+    in /dev/shm where there is one (memory, not disk); the caller removes it."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="cleave-core-share-", dir=directory)
+    with os.fdopen(fd, "wb") as f:
+        f.write(bytes(8 * max(1, slots)))
+    return path
 
 
 def start_redis(host: str) -> tuple[subprocess.Popen, str]:
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = ensure_model(args.model)
     cluster = Supervisor()
     redis_proc: subprocess.Popen | None = None
+    share_file = ""  # the CPU-lending file (see below), removed at exit
     # Both signals stop the cluster, also when started in the background (where SIGINT starts out ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -182,9 +199,19 @@ def main(argv: list[str] | None = None) -> int:
         # Under the split the prefill workers share their CPUs with the router, which forwards every
         # token of every stream: they yield to it (see PREFILL_NICENESS).
         niceness = PREFILL_NICENESS if split is not None else 0
-        pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", common, prefill_cpus, niceness)
-                   for i in range(args.prefill_workers)]  # fmt: skip
-        pending += [cluster.start(f"decode-{i}", "services.decode_worker", common, decode_cpus)
+        # While no prefill worker computes, the decode workers' kernels borrow the prefill CPUs
+        # (shared.engine.cpu_threads.CoreShare).
+        lend = split is not None and not args.no_cpu_lending and args.prefill_workers > 0
+        if lend:
+            share_file = create_core_share_file(args.prefill_workers)
+            print(f"cpu lending: decode workers borrow cpus {flags.format_cpu_list(prefill_cpus or frozenset())} while no prefill "
+                  "worker computes (--no-cpu-lending to keep them apart)", flush=True)  # fmt: skip
+        lender = (lambda i: ["--core-share", f"{share_file}:lend:{i}"]) if lend else (lambda i: [])
+        borrower = (["--core-share", f"{share_file}:borrow:{args.prefill_workers}:"
+                     f"{flags.format_cpu_list(prefill_cpus or frozenset())}"] if lend else [])  # fmt: skip
+        pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", [*common, *lender(i)], prefill_cpus,
+                                 niceness) for i in range(args.prefill_workers)]  # fmt: skip
+        pending += [cluster.start(f"decode-{i}", "services.decode_worker", [*common, *borrower], decode_cpus)
                     for i in range(args.decode_workers)]  # fmt: skip
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip
@@ -219,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.stop()
         stop_redis(redis_proc)  # last, so that stopping workers can still deregister
+        if share_file:
+            Path(share_file).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

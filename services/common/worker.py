@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import torch
 from opentelemetry.context import Context
 
 from services.common.background import BackgroundTasks
@@ -25,10 +26,12 @@ from services.common.metrics import RequestTracker, WorkerMetrics
 from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine, NewRequest
+from shared.engine.cpu_threads import CoreShare
 from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.genproto.cleave.v1 import worker_pb2 as pb
+from shared.kernels import cpu_kernels
 from shared.logs import LOG_FORMATS, configure_logging
 from shared.tracing import Tracing
 
@@ -69,6 +72,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         help="CPUs (a list like 0,2-3) for the worker's network threads: the gRPC server and the "
                              "token streams. The engine thread keeps the CPUs the worker started on, so a step "
                              "is not interrupted to send the previous step's tokens. Default: the same CPUs")  # fmt: skip
+    parser.add_argument("--core-share", default=env_default("--core-share", None), metavar="SPEC",
+                        help="set by cleave serve under its CPU split: FILE:lend:SLOT (a prefill worker marks "
+                             "whether it computes) or FILE:borrow:SLOTS:CPUS (a decode worker's kernels also "
+                             "run on CPUS while every lender is idle); default: none")  # fmt: skip
     return parser
 
 
@@ -105,6 +112,10 @@ class WorkerBase:
         self.metrics = WorkerMetrics(self.role, self.worker_id, block_size=core.config.block_size,
                                      num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
         core.on_step = self.metrics.observe_step
+        if args.core_share and core.device.type == "cpu":
+            core.core_share = CoreShare(args.core_share, own_threads=torch.get_num_threads(), lib=cpu_kernels.load())
+            logger.info("core_share role=%s lent_cpus=%s", core.core_share.role,
+                        flags.format_cpu_list(core.core_share.lent_cpus) or "-")  # fmt: skip
         self.tracing = Tracing(f"cleave-{self.role}-worker", args.otlp_traces_endpoint)
         self.kv_events: Any = None  # a KVEventPublisher when --redis-url is set
         self.drain = Drain()

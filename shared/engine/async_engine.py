@@ -105,6 +105,8 @@ class AsyncEngine:
                     logger.info("kv_lease_expired request_id=%s", request_id)
                 if not self.core.has_unfinished():
                     flush()
+                    if self.core.core_share is not None:
+                        self.core.core_share.idle()  # a prefill worker's CPUs may be borrowed meanwhile
                     self._check_idle()
                     self._wake.wait(0.05)
                     self._wake.clear()

@@ -18,7 +18,7 @@ import torch
 from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
-from shared.engine.cpu_threads import ThreadGovernor
+from shared.engine.cpu_threads import CoreShare, ThreadGovernor
 from shared.engine.cpu_threads import enabled as thread_governor_enabled
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnectorScheduler
@@ -145,6 +145,8 @@ class EngineCore:
             if self.device.type == "cpu" and torch.get_num_threads() > 1 and thread_governor_enabled()
             else None
         )
+        # CPUs lent between the workers of one box (cpu_threads.CoreShare; set by the worker): None: none.
+        self.core_share: CoreShare | None = None
         # Called on the engine thread with each step's number of batched tokens (metrics); None: off.
         self.on_step: Callable[[int], None] | None = None
         self._grammar: Any = None  # GrammarBackend, made on the first constrained request
@@ -307,6 +309,8 @@ class EngineCore:
         the tokens are sampled, before the scheduler sees them."""
         if self.thread_governor is not None:
             self.thread_governor.before_step()
+        if self.core_share is not None:
+            self.core_share.before_step()
         sched = self.scheduler.schedule()
         try:
             samples = self.runner.execute(sched, before_forward)

@@ -154,9 +154,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.linear_f32_pack.restype = None
         lib.linear_f32_packed.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32_packed.restype = None
+    if hasattr(lib, "pool_set_threads"):
+        lib.pool_set_threads.argtypes = [i32]
+        lib.pool_set_threads.restype = None
+        lib.pool_set_helper_cpus.argtypes = [ptr, i32]
+        lib.pool_set_helper_cpus.restype = None
     if hasattr(lib, "pool_count_items"):  # the tests' view of the kernels' parallel loop (csrc/pool.c)
         lib.pool_count_items.argtypes = [i64, i64, ptr]
         lib.pool_count_items.restype = None
+        lib.pool_record_cpus.argtypes = [i64, i64, ptr]
+        lib.pool_record_cpus.restype = None
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

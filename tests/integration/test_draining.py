@@ -22,7 +22,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.integration.cluster import ROOT, scrape, start_router, start_worker, wait_worker
+from tests.integration.cluster import ROOT, start_router, start_worker, wait_worker
+from tests.integration.test_cluster import load_stats
 
 # Enough streamed tokens that the victim's drain outlasts the health polls below: the CPU forward of
 # the tiny test model takes well under a millisecond a step, so the streams' own delivery sets the pace.
@@ -99,14 +100,16 @@ async def _drive(base: str, model: str, workers: list) -> Any:
         # From a thread: this event loop is busy reading the streams' chunks, and a signal or a poll that
         # waits its turn here can come after the victim has finished them all. The workers' own gauges
         # say where streams run (the client's first chunks can trail an engine by its whole run, and the
-        # router may well send all 40 to one worker).
+        # router may well send all 40 to one worker). Their live LoadStats, not the /metrics gauge: that one
+        # is refreshed once a second, and a worker can run its share of the streams between two refreshes.
         deadline = time.monotonic() + 120
         while True:
-            running = [w for w in workers if scrape(w.info["metrics_port"], "cleave_num_requests_running") >= 1]
+            running = [w for w in workers if load_stats(w).num_running >= 1]
             if running:
                 break
+            assert not all(t.done() for t in tasks), f"the streams ended before any was seen: {tasks[0]}"
             assert time.monotonic() < deadline, "the streams did not start"
-            time.sleep(0.005)
+            time.sleep(0.002)
         victim = running[0]
         before = _health_status(victim.info["metrics_port"])
         victim.popen.send_signal(signal.SIGTERM)

@@ -19,6 +19,10 @@ NUM_STREAMS = 20
 MAX_TOKENS = 300
 PROMPTS = [f"the weather on day {i} was" for i in range(NUM_STREAMS)]
 NUM_FORKS = 6
+# Forks start one after the other, and the victim must still run both of its own (a greedy and a
+# seeded one) when it is killed: longer than the single streams, so the first fork's tokens outlast
+# the last fork's start on a fast machine.
+FORK_MAX_TOKENS = 1200
 
 
 def sampling(i: int, n: int) -> dict:
@@ -46,10 +50,11 @@ def fleet(checkpoint_factory):
 class Streams:
     """Streams in threads (``n`` choices each): their texts per choice, errors, request ids and when each ended."""
 
-    def __init__(self, base: str, num_streams: int = NUM_STREAMS, n: int = 1) -> None:
+    def __init__(self, base: str, num_streams: int = NUM_STREAMS, n: int = 1, max_tokens: int = MAX_TOKENS) -> None:
         self.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         self.name = self.client.models.list().data[0].id
         self.n = n
+        self.max_tokens = max_tokens
         self.texts = [[""] * n for _ in range(num_streams)]
         self.errors: list[BaseException | None] = [None] * num_streams
         self.request_ids = [""] * num_streams
@@ -59,7 +64,7 @@ class Streams:
 
     def _run(self, i: int) -> None:
         try:
-            stream = self.client.completions.create(model=self.name, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, n=self.n,
+            stream = self.client.completions.create(model=self.name, prompt=PROMPTS[i], max_tokens=self.max_tokens, n=self.n,
                                                     stream=True, extra_body={"ignore_eos": True}, **sampling(i, self.n))  # fmt: skip
             self.request_ids[i] = stream.response.headers["x-request-id"]
             for chunk in stream:
@@ -138,12 +143,12 @@ def test_forked_streams_migrate_sample_by_sample_and_match_an_uninterrupted_run(
     assert len(decodes) == 3, "runs after the first migration test, on the decode workers it left"
     router, base = start_router(model_dir, procs[:1], decodes, "--routing-policy", "round_robin")
     routers.append(router)
-    reference = Streams(base, NUM_FORKS, n=3).start()
+    reference = Streams(base, NUM_FORKS, n=3, max_tokens=FORK_MAX_TOKENS).start()
     reference.join()
     assert reference.errors == [None] * NUM_FORKS
     seeded = reference.seeded(list(range(NUM_FORKS)))
     assert all(len(set(reference.texts[i])) == 3 for i in seeded), "a seeded fork's choices differ"
-    streams = Streams(base, NUM_FORKS, n=3).start()
+    streams = Streams(base, NUM_FORKS, n=3, max_tokens=FORK_MAX_TOKENS).start()
     streams.wait_all_started()
     victim = kill_busiest(decodes)
     streams.join()

@@ -55,3 +55,21 @@ def test_off_on_one_cpu_or_a_gpu_machine(monkeypatch):
     assert launcher.split_cpus(args, worker_args) is None
     args, worker_args = _args(["--model", "m", "--device", "cpu"])  # asked for the CPU: split anyway
     assert launcher.split_cpus(args, worker_args) is not None
+
+
+def test_lending_is_on_unless_turned_off():
+    assert not _args(["--model", "m"])[0].no_cpu_lending
+    assert _args(["--model", "m", "--no-cpu-lending"])[0].no_cpu_lending
+
+
+def test_the_lending_file_starts_busy_for_every_prefill_worker():
+    """Zeros: nothing is borrowed before each prefill worker has said it is idle."""
+    from shared.engine.cpu_threads import CoreShare
+
+    path = launcher.create_core_share_file(3)
+    try:
+        with open(path, "rb") as f:
+            assert f.read() == bytes(24)
+        assert not CoreShare(f"{path}:borrow:3:0").lenders_idle()
+    finally:
+        os.unlink(path)

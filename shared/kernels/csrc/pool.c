@@ -56,6 +56,9 @@ static uint32_t last_generation; /* likewise */
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static __thread int inside_pool;
+static atomic_int threads_override; /* pool_set_threads: 0 = omp_get_max_threads() */
+static cpu_set_t helper_cpus;
+static atomic_int helper_cpus_set;
 
 #define GEN(w) ((uint32_t)((w) >> 48))
 #define HELPERS(w) ((int)(((w) >> 42) & 0x3f))
@@ -93,6 +96,7 @@ static void *helper_main(void *arg) {
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals are the interpreter's main thread's */
+    if (atomic_load(&helper_cpus_set)) sched_setaffinity(0, sizeof(helper_cpus), &helper_cpus);
     inside_pool = 1;
     uint32_t seen = GEN(atomic_load(&word));
     for (;;) {
@@ -152,7 +156,8 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     if (grain < 1) grain = 1;
     int64_t chunks = (n + grain - 1) / grain;
     if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
-    const int threads = inside_pool ? 1 : omp_get_max_threads();
+    const int override = atomic_load_explicit(&threads_override, memory_order_relaxed);
+    const int threads = inside_pool ? 1 : override > 0 ? override : omp_get_max_threads();
     if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&caller_lock) != 0) {
         fn(ctx, 0, n);
         return;
@@ -190,6 +195,15 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     pthread_mutex_unlock(&caller_lock);
 }
 
+void pool_set_threads(int n) { atomic_store(&threads_override, n > 0 ? n : 0); }
+
+void pool_set_helper_cpus(const int *cpus, int n) {
+    CPU_ZERO(&helper_cpus);
+    for (int i = 0; i < n; i++)
+        if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &helper_cpus);
+    atomic_store(&helper_cpus_set, n > 0);
+}
+
 void pool_rows(int64_t num_rows, int64_t row_elems, pool_range_fn fn, void *ctx) {
     const int64_t parallel_min_elems = 1 << 17, chunk_elems = 1 << 15;
     if (num_rows * row_elems < parallel_min_elems) {
@@ -206,3 +220,23 @@ static void count_items(void *p, int64_t begin, int64_t end) {
 
 /* For the tests: counts[i] += 1 for every item i of [0, n) that pool_for hands to a thread. */
 void pool_count_items(int64_t n, int64_t grain, int32_t *counts) { pool_for(n, grain, count_items, counts); }
+
+typedef struct {
+    int32_t *cpus; /* per item: the CPU that ran it */
+    int64_t spin_ns;
+} WhereArgs;
+
+static void record_cpus(void *p, int64_t begin, int64_t end) {
+    const WhereArgs *a = p;
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t until = now_ns() + a->spin_ns; /* long enough items that a helper wakes up for some */
+        while (now_ns() < until) cpu_relax();
+        a->cpus[i] = sched_getcpu();
+    }
+}
+
+/* For the tests: cpus[i] = the CPU that ran item i of [0, n), each item spinning spin_ns. */
+void pool_record_cpus(int64_t n, int64_t spin_ns, int32_t *cpus) {
+    WhereArgs a = {cpus, spin_ns};
+    pool_for(n, 1, record_cpus, &a);
+}

@@ -20,6 +20,14 @@ typedef void (*pool_range_fn)(void *ctx, int64_t begin, int64_t end);
  * chunk, or where the call is made from inside another pool_for. */
 void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx);
 
+/* The pool's thread count from now on (caller included): n > 0 replaces omp_get_max_threads(), 0 goes
+ * back to it. A worker of cleave serve sets it to use CPUs another worker lends while that one is idle. */
+void pool_set_threads(int n);
+
+/* The CPUs helper threads may run on (the caller's mask where never set). Takes effect for helpers
+ * started afterwards: call it before the first loop with more than one thread. */
+void pool_set_helper_cpus(const int *cpus, int n);
+
 /* fn over rows [0, num_rows) of row_elems elements each: on the calling thread alone below
  * 2^17 elements (a decode step's rows are a few microseconds of work, not worth waking a helper
  * for; torch's element-wise grain is similar), else pool_for in chunks of about 2^15 elements. */

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from shared.engine.cpu_threads import (
+    LEND_AFTER_S,
+    CoreShare,
     ThreadGovernor,
     other_cpu_seconds,
     other_runnable_tasks,
@@ -142,3 +146,61 @@ def test_follows_the_processs_cpu_affinity(monkeypatch):
     assert m.steps(g, 5) == 2
     cpus.discard(0)
     assert m.steps(g, 5) == 1 and m.set_calls == [1]
+
+
+class RecordingLib:
+    """Stands in for the kernels' library, recording the calls: the real calls would change this test
+    process's own pool (what they do is tested in tests/unit/kernels/test_cpu_pool.py, in a child)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def pool_set_threads(self, n: int) -> None:
+        self.calls.append(("threads", n))
+
+    def pool_set_helper_cpus(self, cpus, n: int) -> None:
+        self.calls.append(("helper_cpus", sorted(cpus[i] for i in range(n))))
+
+
+def _share_file(tmp_path, slots: int) -> str:
+    path = tmp_path / "share"
+    path.write_bytes(bytes(8 * slots))
+    return str(path)
+
+
+def test_core_share_borrows_only_once_every_lender_has_been_idle_a_while(tmp_path):
+    path = _share_file(tmp_path, 2)
+    now = [100.0]
+    lenders = [CoreShare(f"{path}:lend:{i}", clock=lambda: now[0]) for i in (0, 1)]
+    lib = RecordingLib()
+    borrower = CoreShare(f"{path}:borrow:2:0,3", own_threads=1, lib=lib, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert lib.calls == [("helper_cpus", sorted({0, 3} | set(os.sched_getaffinity(0))))]
+    borrower.before_step()
+    assert not borrower.borrowing  # a fresh file: no lender has said it is idle
+    lenders[0].idle()
+    now[0] += LEND_AFTER_S * 2
+    borrower.before_step()
+    assert not borrower.borrowing  # the second lender has not
+    lenders[1].idle()
+    borrower.before_step()
+    assert not borrower.borrowing  # idle, but only just
+    now[0] += LEND_AFTER_S * 1.5
+    borrower.before_step()
+    assert borrower.borrowing and lib.calls[-1] == ("threads", 1 + 2)
+    lenders[1].before_step()  # a prefill step starts: the CPUs go back at the borrower's next step
+    borrower.before_step()
+    assert not borrower.borrowing and lib.calls[-1] == ("threads", 0)
+    lenders[1].idle()
+    lenders[1].idle()  # idle again: the time it went idle is kept, not renewed
+    now[0] += LEND_AFTER_S * 0.6
+    lenders[1].idle()
+    now[0] += LEND_AFTER_S * 0.6
+    borrower.before_step()
+    assert borrower.borrowing and borrower.changes == 3
+
+
+@pytest.mark.parametrize("spec", ["{path}:lend", "{path}:share:0", "{path}:lend:5", "{path}:borrow:3:0"])
+def test_core_share_refuses_a_malformed_spec(tmp_path, spec):
+    path = _share_file(tmp_path, 2)
+    with pytest.raises(ValueError):
+        CoreShare(spec.format(path=path))

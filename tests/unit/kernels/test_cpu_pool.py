@@ -4,6 +4,7 @@ give the same bits at one thread as at several."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -103,3 +104,43 @@ def test_decode_attention_gives_the_same_bits_at_any_thread_count(threads):
         )
     assert outs[0] is not None
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.fixture
+def pool_threads():
+    yield lib.pool_set_threads
+    lib.pool_set_threads(0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_set_threads_overrides_the_torch_count_and_helpers_run_where_told(threads, pool_threads):
+    """What a decode worker does to borrow a prefill worker's CPU: one torch thread, two pool threads,
+    the caller pinned to one CPU and the helpers allowed only on the other. Run in a forked child, whose
+    pool starts without helpers (they take the CPUs given when they start)."""
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the CPUs that ran the items, then leave without cleanup
+        try:
+            os.sched_setaffinity(0, {own})
+            torch.set_num_threads(1)
+            lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
+            cpus = torch.full((64,), -1, dtype=torch.int32)
+            lib.pool_record_cpus(64, 0, cpus.data_ptr())  # one thread: the caller alone
+            alone = set(cpus.tolist())
+            pool_threads(2)
+            seen: set[int] = set()
+            for _ in range(20):  # until the helper, woken on its first loop, has taken items
+                lib.pool_record_cpus(64, 200_000, cpus.data_ptr())
+                seen |= set(cpus.tolist())
+                if lent in seen:
+                    break
+            os.write(write, f"{sorted(alone)};{sorted(seen)}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        alone_text, seen_text = f.read().split(";")
+    os.waitpid(pid, 0)
+    assert alone_text == f"[{own}]"
+    assert seen_text == f"[{own}, {lent}]"
