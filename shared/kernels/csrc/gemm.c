@@ -224,18 +224,7 @@ static void column_block(const float *x, int64_t ldx, const float *w, float *y, 
 
 int linear_f32_available(void) { return 1; }
 
-#if !defined(PANEL)
-/* No packed kernel in this build (AVX2: measured on a Xeon, the 6 x 16 tile gained 5-10% from 8 rows up
- * and lost 15-25% at 1-3 rows, a decode step's batch): callers keep linear_f32 on the weights as they are. */
-int64_t linear_f32_packed_floats(int n, int k) {
-    (void)n, (void)k;
-    return 0;
-}
-void linear_f32_pack(const float *w, int n, int k, float *packed) { (void)w, (void)n, (void)k, (void)packed; }
-void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
-    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
-}
-#else
+#if defined(PANEL)
 /* The packed copy: panel p holds columns [PANEL p, PANEL (p + 1)) of y as [K][PANEL] floats (w transposed;
  * the columns past N are zeros). */
 int64_t linear_f32_packed_floats(int n, int k) {
@@ -363,6 +352,17 @@ void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t l
 
 #else /* neither AVX-512 nor AVX2 with FMA: callers keep torch's BLAS */
 
+int linear_f32_available(void) { return 0; }
+
+void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
+    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+}
+
+#endif
+
+#if !defined(PANEL)
+/* No packed kernel in this build (AVX2: measured on a Xeon, a 6 x 16 tile gained 5-10% from 8 rows up and
+ * lost 15-25% at 1-3 rows, a decode step's batch): callers keep linear_f32 on the weights as they are. */
 int64_t linear_f32_packed_floats(int n, int k) {
     (void)n, (void)k;
     return 0;
@@ -371,11 +371,4 @@ void linear_f32_pack(const float *w, int n, int k, float *packed) { (void)w, (vo
 void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k) {
     (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
 }
-
-int linear_f32_available(void) { return 0; }
-
-void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k) {
-    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)m, (void)n, (void)k;
-}
-
 #endif

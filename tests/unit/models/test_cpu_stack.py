@@ -63,25 +63,19 @@ def test_bfloat16_keeps_the_module_path(checkpoint_factory):
     assert model.cpu_stack(TorchAttentionBackend()) is None
 
 
-def test_native_forward_follows_a_replaced_weight(checkpoint_factory):
-    """A parameter given new storage after the stack was built is read from its new place."""
-    model_dir = checkpoint_factory("llama")
-    model, _ = load_model(model_dir, dtype="float32")
-    if model.cpu_stack(TorchAttentionBackend()) is None:
-        pytest.skip("no native forward here")
-    reference, _ = load_model(model_dir, dtype="float32")
-    _run(model, "native")  # built and used once
-    for m in (model, reference):
-        down = m.decoder_layers()[0].mlp.down_proj
-        down.weight = torch.nn.Parameter(down.weight.detach() * 2)  # new storage
-    fast, fast_cache = _run(model, "native")
-    slow, slow_cache = _run(reference, "modules")
-    assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
-    assert torch.equal(fast_cache, slow_cache)
+def _replace_down(m) -> None:  # new storage
+    down = m.decoder_layers()[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach() * 2)
 
 
-def test_native_forward_follows_a_weight_written_in_place(checkpoint_factory):
-    """A weight overwritten in its own storage after the stack was built: its packed copy is made again."""
+def _overwrite_qkv(m) -> None:  # same storage, new values: the packed copy must be made again
+    with torch.no_grad():
+        m.decoder_layers()[0].self_attn.qkv_proj.weight.mul_(-0.5)
+
+
+@pytest.mark.parametrize("change", [_replace_down, _overwrite_qkv])
+def test_native_forward_follows_a_changed_weight(checkpoint_factory, change):
+    """A parameter given new storage, or written in place, after the stack was built and used is read anew."""
     model_dir = checkpoint_factory("llama")
     model, _ = load_model(model_dir, dtype="float32")
     if model.cpu_stack(TorchAttentionBackend()) is None:
@@ -89,9 +83,7 @@ def test_native_forward_follows_a_weight_written_in_place(checkpoint_factory):
     reference, _ = load_model(model_dir, dtype="float32")
     _run(model, "native")  # built, packed and used once
     for m in (model, reference):
-        qkv = m.decoder_layers()[0].self_attn.qkv_proj
-        with torch.no_grad():
-            qkv.weight.mul_(-0.5)  # same storage, new values
+        change(m)
     fast, fast_cache = _run(model, "native")
     slow, slow_cache = _run(reference, "modules")
     assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
