@@ -50,13 +50,20 @@ def tokenizer_info(model_dir: str | Path, vocab_size: int, stop_token_ids: list[
 # xgrammar spells the characters of a length-bounded JSON string as this class, which
 # lets raw control characters through (invalid JSON); such strings get the class below.
 _BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
+_JSON_STRING_CHAR = r"[^\"\\\0-\x1f\uD800-\uDFFF]"
+# Its class for the characters of other strings.
+_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+# Both classes also take the UTF-8 spelling of a UTF-16 surrogate (bytes ED A0 80 ... ED BF BF), which
+# no valid UTF-8 text contains: decoded, each of its three bytes is a U+FFFD, so a string the grammar
+# counted as 6 characters long came out 8 long (seen with maxLength 6 on a byte-level vocabulary).
+_NO_SURROGATES = r"\uD800-\uDFFF]"
 
 
 def json_schema_ebnf(schema: str) -> str:
     """EBNF of a JSON schema in compact form (free whitespace would let a model pad forever)."""
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-    return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    grammar = grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return grammar.replace(_STRING_CHAR, _STRING_CHAR[:-1] + _NO_SURROGATES)
 
 
 def _tokenizer_json(model: str | Path) -> str:

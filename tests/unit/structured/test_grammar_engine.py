@@ -123,3 +123,27 @@ def test_gguf_model_is_constrained_too(checkpoint_factory, tmp_path):
     choice = llm.generate(["a record:"], params)[0].outputs[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]},
+    {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+    {"type": "object"},  # json_object: any keys and values
+])  # fmt: skip
+def test_json_strings_refuse_utf8_spelled_surrogates(schema):
+    """Bytes ED A0 80 spell the surrogate U+D800, which no valid UTF-8 holds: decoded, they are three
+    U+FFFD, so a string the grammar counted as 6 characters came out 8 long. The JSON grammars refuse
+    them and still take any real character, multi-byte ones included."""
+    import xgrammar as xgr
+
+    from shared.structured.grammar import json_schema_ebnf
+
+    info = xgr.TokenizerInfo(["a", "<eos>"], stop_token_ids=[1])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(json_schema_ebnf(json.dumps(schema)))
+
+    def accepts(text: bytes) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('{"name": "oe wé€"'.encode())  # 2- and 3-byte characters: 6 in all
+    assert not accepts(b'{"name": "oe w\xed\xa0\x80')
+    assert not accepts(b'{"name": "\xed\xbf\xbf')
