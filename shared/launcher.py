@@ -202,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         # While no prefill worker computes, the decode workers' kernels borrow the prefill CPUs
         # (shared.engine.cpu_threads.CoreShare).
         lend = split is not None and not args.no_cpu_lending and args.prefill_workers > 0
+        lent = flags.format_cpu_list(prefill_cpus or frozenset())
         if lend:
             share_file = create_core_share_file(args.prefill_workers)
-            print(f"cpu lending: decode workers borrow cpus {flags.format_cpu_list(prefill_cpus or frozenset())} while no prefill "
-                  "worker computes (--no-cpu-lending to keep them apart)", flush=True)  # fmt: skip
+            print(f"cpu lending: decode workers borrow cpus {lent} while no prefill worker computes "
+                  "(--no-cpu-lending to keep them apart)", flush=True)  # fmt: skip
         lender = (lambda i: ["--core-share", f"{share_file}:lend:{i}"]) if lend else (lambda i: [])
-        borrower = (["--core-share", f"{share_file}:borrow:{args.prefill_workers}:"
-                     f"{flags.format_cpu_list(prefill_cpus or frozenset())}"] if lend else [])  # fmt: skip
+        borrower = ["--core-share", f"{share_file}:borrow:{args.prefill_workers}:{lent}"] if lend else []
         pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", [*common, *lender(i)], prefill_cpus,
                                  niceness) for i in range(args.prefill_workers)]  # fmt: skip
         pending += [cluster.start(f"decode-{i}", "services.decode_worker", [*common, *borrower], decode_cpus)

@@ -231,9 +231,11 @@ class CoreShare:
             raise ValueError(f"--core-share {spec!r}: a slot outside the {len(self._map)}-byte file")
         self.own_threads = max(1, own_threads)
         self.borrowing = False
-        self.busy = False
         self.changes = 0
         self._clock = clock
+        self.busy = role == "lend"
+        if self.busy:  # a lender (re)starting: busy until its engine first idles, whatever a predecessor wrote
+            SLOT.pack_into(self._map, self.slot * SLOT.size, 0.0)
         self._lib = lib if lib is not None and hasattr(lib, "pool_set_threads") else None
         if role == "borrow" and self._lib is not None:
             helper_cpus = sorted(self.lent_cpus | set(os.sched_getaffinity(0)))
@@ -263,6 +265,6 @@ class CoreShare:
 
     def idle(self) -> None:
         """The engine has no work: a lender's CPUs may be borrowed from ``LEND_AFTER_S`` on."""
-        if self.role == "lend" and (self.busy or SLOT.unpack_from(self._map, self.slot * SLOT.size)[0] <= 0.0):
+        if self.busy:
             self.busy = False
             SLOT.pack_into(self._map, self.slot * SLOT.size, self._clock())

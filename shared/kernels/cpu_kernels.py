@@ -384,19 +384,18 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     kernel (AVX2 builds), ``CLEAVE_PACKED_WEIGHTS=0``, or where the copy would take more than
     ``PACK_MEMORY_SHARE`` of the available memory: ``linear`` then reads the weight as it is. Costs one more
     copy of the weight."""
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, PACKED_ATTR, None)  # first: every projection of every step asks
+    if cached is not None and (cached[:2] == key or cached[2] is None):
+        return cached[2]  # None: refused once, stays on linear_f32 so that its results do not change
     lib = load()
     if lib is None or not hasattr(lib, "linear_f32_packed") or not native_linear() or not _packing_enabled:
         return None
     n, k = weight.shape
     floats = lib.linear_f32_packed_floats(n, k)
-    if floats <= 0:
+    if floats <= 0:  # no packed kernel in this build: asked once per weight
+        setattr(weight, PACKED_ATTR, (*key, None))
         return None
-    key = (weight.data_ptr(), weight._version)
-    cached = getattr(weight, PACKED_ATTR, None)
-    if cached is not None and cached[:2] == key:
-        return cached[2]
-    if cached is not None and cached[2] is None:
-        return None  # refused once: stays on linear_f32, so that its results do not change while serving
     available = available_memory_bytes()
     if available is not None and floats * 4 > PACK_MEMORY_SHARE * available:
         global _refusals_logged
@@ -428,12 +427,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     lib = load()
     assert lib is not None
     packed = packed_weight(weight)
-    if packed is not None:
-        lib.linear_f32_packed(rows.data_ptr(), rows.stride(0), packed.data_ptr(), out.data_ptr(), weight.shape[0],
-                              rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
-    else:
-        lib.linear_f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), weight.shape[0],
-                       rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
+    product, w = (lib.linear_f32, weight) if packed is None else (lib.linear_f32_packed, packed)
+    product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), weight.shape[0], rows.shape[0],
+            weight.shape[0], weight.shape[1])  # fmt: skip
     return out
 
 
