@@ -18,6 +18,7 @@ import grpc
 import torch
 from opentelemetry.context import Context
 
+from services.common import event_loop
 from services.common.background import BackgroundTasks
 from services.common.draining import Drain
 from services.common.heap import freeze_startup_heap
@@ -319,7 +320,11 @@ async def serve(worker: WorkerBase, add_servicer) -> None:
 def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[str] | None = None) -> int:
     args = flags.parse_args(parser, argv)
     configure_logging(args.log_level, args.log_format)
+    try:
+        event_loop.loop_name()
+    except ValueError as e:
+        parser.error(str(e))
     worker = worker_cls(args)
     freeze_startup_heap()  # the model and its modules are never walked by a collection again
-    asyncio.run(serve(worker, add_servicer))
+    event_loop.run(serve(worker, add_servicer))
     return 0
