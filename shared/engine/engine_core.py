@@ -137,6 +137,7 @@ class EngineCore:
         )
         if self.device.type == "cuda" and not config.enforce_eager and self.runner.attn_backend.name == "triton":
             self.runner.capture_decode_graphs(self.max_model_len, config.max_num_seqs)
+        self.runner.prepare_cpu_forward()
         self.num_prompt_tokens_computed = 0
         self.num_generation_tokens = 0
         # CPU: each step gets the cores no other process wants (see shared.engine.cpu_threads).

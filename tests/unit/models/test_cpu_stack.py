@@ -88,3 +88,21 @@ def test_native_forward_follows_a_changed_weight(checkpoint_factory, change):
     slow, slow_cache = _run(reference, "modules")
     assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
     assert torch.equal(fast_cache, slow_cache)
+
+
+def test_the_engine_builds_the_native_forward_at_start(checkpoint_factory):
+    """The stack and the packed weights are made when the engine starts, not in its first request's step."""
+    from shared.config import EngineConfig
+    from shared.engine.engine_core import EngineCore
+
+    engine = EngineCore(EngineConfig(model=str(checkpoint_factory("llama")), dtype="float32", num_blocks=32))
+    model = engine.runner.model
+    backend_type = type(engine.runner.attn_backend)
+    assert backend_type in model._cpu_stacks  # built (None only where it does not apply)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    lib = cpu_kernels.load()
+    packs = hasattr(lib, "linear_f32_packed_floats") and lib.linear_f32_packed_floats(8, 8) > 0
+    if packs and cpu_kernels.native_linear() and cpu_kernels._packing_enabled:
+        assert getattr(head, cpu_kernels.PACKED_ATTR)[2] is not None
+        qkv = model.decoder_layers()[0].self_attn.qkv_proj.weight
+        assert model._cpu_stacks[backend_type] is None or getattr(qkv, cpu_kernels.PACKED_ATTR)[2] is not None
