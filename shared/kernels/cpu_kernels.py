@@ -28,6 +28,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -358,11 +360,21 @@ _native_linear: bool | None = None
 
 _packing_enabled = os.environ.get("CLEAVE_PACKED_WEIGHTS", "1") != "0"
 PACKED_ATTR = "_cleave_packed"  # on a weight tensor: (data_ptr, version, packed copy or None: not packed)
-# A weight is packed only while its copy takes at most this share of the memory the kernel reports
-# available: a model that fits the machine must not stop fitting for a faster product. The weights left
+# The packed copies a process holds take at most this share of the memory they could have taken (what
+# the kernel reports available plus the copies already made): a model that fits the machine must not stop
+# fitting for a faster product, and a model of many weights must not pack itself, one weight at a time,
+# into the last free megabytes (nor two workers starting side by side into each other's). The weights left
 # unpacked run on linear_f32 (their rows stay batch-invariant: the choice is made once per weight).
 PACK_MEMORY_SHARE = 0.25
 _refusals_logged = False
+_packed_bytes = 0  # held by this process's live packed copies
+_packed_lock = threading.Lock()
+
+
+def _packed_copy_freed(nbytes: int) -> None:
+    global _packed_bytes
+    with _packed_lock:
+        _packed_bytes -= nbytes
 
 
 def available_memory_bytes() -> int | None:
@@ -381,9 +393,9 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a float32 CPU ``weight`` [N, K] that the AVX-512 kernel reads (``csrc/gemm.c``:
     panels of 32 columns, k-major), made on first use and kept on the tensor; made again once the weight
     is written in place (its version moves) or its storage changes. None where the library has no packed
-    kernel (AVX2 builds), ``CLEAVE_PACKED_WEIGHTS=0``, or where the copy would take more than
-    ``PACK_MEMORY_SHARE`` of the available memory: ``linear`` then reads the weight as it is. Costs one more
-    copy of the weight."""
+    kernel (AVX2 builds), ``CLEAVE_PACKED_WEIGHTS=0``, or where the process's copies would then take more
+    than ``PACK_MEMORY_SHARE`` of the memory they could take: ``linear`` then reads the weight as it is.
+    Costs one more copy of the weight."""
     key = (weight.data_ptr(), weight._version)
     cached = getattr(weight, PACKED_ATTR, None)  # first: every projection of every step asks
     if cached is not None and (cached[:2] == key or cached[2] is None):
@@ -396,17 +408,24 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if floats <= 0:  # no packed kernel in this build: asked once per weight
         setattr(weight, PACKED_ATTR, (*key, None))
         return None
+    global _packed_bytes, _refusals_logged
+    nbytes = floats * 4
     available = available_memory_bytes()
-    if available is not None and floats * 4 > PACK_MEMORY_SHARE * available:
-        global _refusals_logged
+    with _packed_lock:
+        held = _packed_bytes
+        fits = available is None or held + nbytes <= PACK_MEMORY_SHARE * (available + held)
+        if fits:
+            _packed_bytes += nbytes
+    if not fits:
         if not _refusals_logged:
             _refusals_logged = True
-            logger.warning("packed_weights_refused shape=%s bytes=%d available=%d: this weight and any other "
-                           "that does not fit keep the unpacked projection", tuple(weight.shape), floats * 4,
-                           available)  # fmt: skip
+            logger.warning("packed_weights_refused shape=%s bytes=%d available=%d packed=%d: this weight and any "
+                           "other that does not fit keep the unpacked projection", tuple(weight.shape), nbytes,
+                           available, held)  # fmt: skip
         setattr(weight, PACKED_ATTR, (*key, None))
         return None
     packed = torch.empty(floats, dtype=torch.float32)  # CPU tensors start 64-byte aligned, as the kernel loads
+    weakref.finalize(packed, _packed_copy_freed, nbytes)
     assert packed.data_ptr() % 64 == 0
     lib.linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
     setattr(weight, PACKED_ATTR, (*key, packed))

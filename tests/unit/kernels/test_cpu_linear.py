@@ -3,6 +3,8 @@ result independent of the rows computed with it (batch size, position in the bat
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -100,3 +102,31 @@ def test_a_weight_whose_copy_does_not_fit_stays_unpacked(monkeypatch):
     out = torch.empty(4, 40)
     lib.linear_f32(x.data_ptr(), 64, w.data_ptr(), out.data_ptr(), 40, 4, 40, 64)
     assert torch.equal(cpu_kernels.linear(x, w), out)  # the unpacked kernel, bit for bit
+
+
+def test_packed_copies_stop_at_a_share_of_the_memory_they_could_take(monkeypatch):
+    """Each copy small, together too many: packing stops once the process's copies would take more than
+    PACK_MEMORY_SHARE of what was available to them, and resumes as copies are freed."""
+    if cpu_kernels.packed_weight(torch.randn(32, 64)) is None:
+        pytest.skip("no packed kernel in this build (AVX2)")
+    gc.collect()
+    gc.disable()  # no collection in between frees another test's copies
+    try:
+        _check_packing_budget(monkeypatch)
+    finally:
+        gc.enable()
+
+
+def _check_packing_budget(monkeypatch) -> None:
+    held = cpu_kernels._packed_bytes
+    size = 32 * 64 * 4  # one panel of 32 columns, k = 64
+    # Memory the kernel reports free, fixed, such that exactly three more copies fit (see packed_weight).
+    available = 3 * held + 10 * size + size // 2
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: available)
+    weights = [torch.randn(32, 64) for _ in range(5)]
+    packed = [cpu_kernels.packed_weight(w) for w in weights]
+    assert [p is not None for p in packed] == [True, True, True, False, False]
+    assert cpu_kernels._packed_bytes == held + 3 * size
+    del weights[0], packed[0]  # a weight and its copy die: the room is given back
+    assert cpu_kernels._packed_bytes == held + 2 * size
+    assert cpu_kernels.packed_weight(torch.randn(32, 64)) is not None
