@@ -87,22 +87,35 @@ static int block_columns(int k) {
 #define PANEL 32
 #define BLOCK_PANELS 2
 #define PACKED_ROWS 6 /* a tile's rows: 6 x 4 sums + 4 weight vectors + 1 broadcast <= 32 registers */
+#ifndef PACKED_K_CHUNK
+#define PACKED_K_CHUNK 1024
+#endif
 
 /* y[r][c] for r < rows <= R, c < cols <= 64 from the panels at p and p + panel_floats (where cols <= 32
- * the second is p again: its sums are computed and not stored); missing rows repeat the last real one. */
+ * the second is p again: its sums are computed and not stored); missing rows repeat the last real one.
+ * Sums over k in [k0, k1): from zero where k0 is 0, else on from the partial sums y holds (a float32
+ * stored and loaded again is the same float, so each output is the same FMA chain either way). */
 static inline __attribute__((always_inline)) void packed_tile(const int R, const float *x, int64_t ldx,
                                                               const float *p, int64_t panel_floats, float *y,
-                                                              int64_t ldy, int rows, int cols, int k) {
+                                                              int64_t ldy, int rows, int cols, int k0, int k1) {
     const float *p0 = p, *p1 = cols > PANEL ? p + panel_floats : p;
     const float *xr[PACKED_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) xr[r] = x + (int64_t)(r < rows ? r : rows - 1) * ldx;
+    __mmask16 mask[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        const int left = cols - 16 * v;
+        mask[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
+    }
     __m512 acc[PACKED_ROWS][4];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int kk = 0; kk < k; kk++) {
+        for (int v = 0; v < 4; v++)
+            acc[r][v] = k0 > 0 && r < rows ? _mm512_maskz_loadu_ps(mask[v], y + (int64_t)r * ldy + 16 * v)
+                                           : _mm512_setzero_ps();
+    for (int kk = k0; kk < k1; kk++) {
         const __m512 w0 = _mm512_load_ps(p0 + (int64_t)kk * PANEL), w1 = _mm512_load_ps(p0 + (int64_t)kk * PANEL + 16);
         const __m512 w2 = _mm512_load_ps(p1 + (int64_t)kk * PANEL), w3 = _mm512_load_ps(p1 + (int64_t)kk * PANEL + 16);
 #pragma GCC unroll 8
@@ -113,12 +126,6 @@ static inline __attribute__((always_inline)) void packed_tile(const int R, const
             acc[r][2] = _mm512_fmadd_ps(b, w2, acc[r][2]);
             acc[r][3] = _mm512_fmadd_ps(b, w3, acc[r][3]);
         }
-    }
-    __mmask16 mask[4];
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; v++) {
-        const int left = cols - 16 * v;
-        mask[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -261,20 +268,20 @@ void linear_f32_pack(const float *w, int n, int k, float *packed) {
 }
 
 static void packed_tile_a(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
-                          int64_t ldy, int rows, int cols, int k) {
-    packed_tile(PACKED_ROWS, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+                          int64_t ldy, int rows, int cols, int k0, int k1) {
+    packed_tile(PACKED_ROWS, x, ldx, p, panel_floats, y, ldy, rows, cols, k0, k1);
 }
 static void packed_tile_4(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
-                          int64_t ldy, int rows, int cols, int k) {
-    packed_tile(4, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+                          int64_t ldy, int rows, int cols, int k0, int k1) {
+    packed_tile(4, x, ldx, p, panel_floats, y, ldy, rows, cols, k0, k1);
 }
 static void packed_tile_2(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
-                          int64_t ldy, int rows, int cols, int k) {
-    packed_tile(2, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+                          int64_t ldy, int rows, int cols, int k0, int k1) {
+    packed_tile(2, x, ldx, p, panel_floats, y, ldy, rows, cols, k0, k1);
 }
 static void packed_tile_row(const float *x, int64_t ldx, const float *p, int64_t panel_floats, float *y,
-                            int64_t ldy, int rows, int cols, int k) {
-    packed_tile(1, x, ldx, p, panel_floats, y, ldy, rows, cols, k);
+                            int64_t ldy, int rows, int cols, int k0, int k1) {
+    packed_tile(1, x, ldx, p, panel_floats, y, ldy, rows, cols, k0, k1);
 }
 
 typedef struct {
@@ -293,21 +300,24 @@ static void packed_blocks(void *p, int64_t b0, int64_t b1) {
         const int n0 = (int)(b * block_cols), cols = a->n - n0 < block_cols ? a->n - n0 : (int)block_cols;
         const float *panels = a->packed + b * BLOCK_PANELS * panel_floats, *x = a->x;
         float *y = a->y + n0;
-        int r0 = 0;
-        for (; r0 + PACKED_ROWS <= a->m; r0 += PACKED_ROWS)
-            packed_tile_a(x + r0 * a->ldx, a->ldx, panels, panel_floats, y + r0 * a->ldy, a->ldy, PACKED_ROWS, cols,
-                          a->k);
-        const int left = a->m - r0;
-        const float *xl = x + r0 * a->ldx;
-        float *yl = y + r0 * a->ldy;
-        if (left == 5)
-            packed_tile_a(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
-        else if (left >= 3)
-            packed_tile_4(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
-        else if (left == 2)
-            packed_tile_2(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
-        else if (left == 1)
-            packed_tile_row(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, a->k);
+        for (int k0 = 0; k0 < a->k; k0 += PACKED_K_CHUNK) {
+            const int k1 = a->k - k0 < PACKED_K_CHUNK ? a->k : k0 + PACKED_K_CHUNK;
+            int r0 = 0;
+            for (; r0 + PACKED_ROWS <= a->m; r0 += PACKED_ROWS)
+                packed_tile_a(x + r0 * a->ldx, a->ldx, panels, panel_floats, y + r0 * a->ldy, a->ldy, PACKED_ROWS,
+                              cols, k0, k1);
+            const int left = a->m - r0;
+            const float *xl = x + r0 * a->ldx;
+            float *yl = y + r0 * a->ldy;
+            if (left == 5)
+                packed_tile_a(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, k0, k1);
+            else if (left >= 3)
+                packed_tile_4(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, k0, k1);
+            else if (left == 2)
+                packed_tile_2(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, k0, k1);
+            else if (left == 1)
+                packed_tile_row(xl, a->ldx, panels, panel_floats, yl, a->ldy, left, cols, k0, k1);
+        }
     }
 }
 

@@ -14,8 +14,10 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernels.native_linear(), reason="the native projection needs AVX-512 or AVX2 with FMA"
 )
 
-# (rows, out features, in features): the model's shapes, and odd ones that leave partial tiles and a k tail
-SHAPES = [(1, 640, 384), (3, 384, 384), (5, 2048, 384), (7, 384, 1024), (17, 7168, 384), (33, 100, 37), (2, 5, 3)]
+# (rows, out features, in features): the model's shapes, odd ones that leave partial tiles and a k tail,
+# and k past the packed kernel's chunk of 1,024 (sums stored and taken up again), evenly or not
+SHAPES = [(1, 640, 384), (3, 384, 384), (5, 2048, 384), (7, 384, 1024), (17, 7168, 384), (33, 100, 37), (2, 5, 3),
+          (7, 70, 2500), (13, 96, 2048)]  # fmt: skip
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
