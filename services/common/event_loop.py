@@ -34,15 +34,12 @@ def loop_name() -> str:
     return "uvloop"
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    if loop_name() == "uvloop":
+def run(main: Coroutine[Any, Any, T], loop: str) -> T:
+    """``asyncio.run`` on ``loop`` (what ``loop_name`` picked)."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if loop == "uvloop":
         import uvloop
 
-        return uvloop.new_event_loop
-    return None
-
-
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on the chosen loop."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -321,10 +321,10 @@ def main(parser: argparse.ArgumentParser, worker_cls, add_servicer, argv: list[s
     args = flags.parse_args(parser, argv)
     configure_logging(args.log_level, args.log_format)
     try:
-        event_loop.loop_name()
+        loop = event_loop.loop_name()
     except ValueError as e:
         parser.error(str(e))
     worker = worker_cls(args)
     freeze_startup_heap()  # the model and its modules are never walked by a collection again
-    event_loop.run(serve(worker, add_servicer))
+    event_loop.run(serve(worker, add_servicer), loop)
     return 0

@@ -56,8 +56,7 @@ def linear_bound_ms(model, batch: int, steps: int) -> float:
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         projections += [(p, p.weight) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    projections.append((model.compute_logits, head))
+    projections.append((model.compute_logits, model.output_weight))
     weights = [w for _, w in projections]
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
 

@@ -127,8 +127,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             return
         self.model.cpu_stack(self.attn_backend)
-        model = self.model
-        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        head = self.model.output_weight
         if head.dtype == torch.float32:
             cpu_kernels.packed_weight(head)
 

@@ -396,6 +396,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     kernel (AVX2 builds), ``CLEAVE_PACKED_WEIGHTS=0``, or where the process's copies would then take more
     than ``PACK_MEMORY_SHARE`` of the memory they could take: ``linear`` then reads the weight as it is.
     Costs one more copy of the weight."""
+    global _packed_bytes, _refusals_logged
     key = (weight.data_ptr(), weight._version)
     cached = getattr(weight, PACKED_ATTR, None)  # first: every projection of every step asks
     if cached is not None and (cached[:2] == key or cached[2] is None):
@@ -408,7 +409,6 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if floats <= 0:  # no packed kernel in this build: asked once per weight
         setattr(weight, PACKED_ATTR, (*key, None))
         return None
-    global _packed_bytes, _refusals_logged
     nbytes = floats * 4
     available = available_memory_bytes()
     with _packed_lock:

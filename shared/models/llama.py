@@ -299,8 +299,13 @@ class LlamaModel(nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab, hidden]: the embedding's where the checkpoint ties them."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.output_weight
         logits = cpu_kernels.linear(hidden, weight)
         return (F.linear(hidden, weight) if logits is None else logits).float()
 

@@ -13,13 +13,13 @@ def test_auto_runs_on_uvloop_where_installed(monkeypatch):
     pytest.importorskip("uvloop")
     monkeypatch.delenv("CLEAVE_EVENT_LOOP", raising=False)
     assert event_loop.loop_name() == "uvloop"
-    assert event_loop.run(running_loop_module()).startswith("uvloop")
+    assert event_loop.run(running_loop_module(), "uvloop").startswith("uvloop")
 
 
 def test_asyncio_keeps_the_standard_loop(monkeypatch):
     monkeypatch.setenv("CLEAVE_EVENT_LOOP", "asyncio")
     assert event_loop.loop_name() == "asyncio"
-    assert event_loop.run(running_loop_module()).startswith("asyncio")
+    assert event_loop.run(running_loop_module(), "asyncio").startswith("asyncio")
 
 
 def test_an_unknown_choice_is_refused(monkeypatch):

@@ -99,7 +99,7 @@ def test_the_engine_builds_the_native_forward_at_start(checkpoint_factory):
     model = engine.runner.model
     backend_type = type(engine.runner.attn_backend)
     assert backend_type in model._cpu_stacks  # built (None only where it does not apply)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = model.output_weight
     lib = cpu_kernels.load()
     packs = hasattr(lib, "linear_f32_packed_floats") and lib.linear_f32_packed_floats(8, 8) > 0
     if packs and cpu_kernels.native_linear() and cpu_kernels._packing_enabled:
