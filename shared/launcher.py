@@ -52,9 +52,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "cores); off: every process may run anywhere")  # fmt: skip
     parser.add_argument("--no-cpu-lending", action="store_true",
                         default=env_default("--no-cpu-lending", "").lower() in ("1", "true"),
-                        help="under the CPU split, keep the decode workers off the prefill workers' CPUs also "
-                             "while no prefill worker computes (by default the decode workers' kernels borrow "
-                             "them then, and give them back at their next step once a prefill starts)")  # fmt: skip
+                        help="under the CPU split, keep each side off the other's CPUs also while that side "
+                             "is idle (by default the decode workers' kernels borrow the prefill CPUs while no "
+                             "prefill worker computes, and the prefill workers' the decode CPUs while no request "
+                             "decodes; a side that starts again has its CPUs back within microseconds)")  # fmt: skip
     parser.add_argument("--redis", action="store_true",
                         help="also start a local redis-server; workers register in it and the router discovers them")  # fmt: skip
     return flags.parse_known_args(parser, argv)
@@ -85,7 +86,7 @@ def split_cpus(args: argparse.Namespace, worker_args: list[str]) -> tuple[frozen
 
 
 def create_core_share_file(slots: int) -> str:
-    """A zeroed file of eight bytes per prefill worker for ``--core-share`` (shared.engine.cpu_threads.CoreShare),
+    """A zeroed file of eight bytes per worker for ``--core-share`` (shared.engine.cpu_threads.CoreShare),
     in /dev/shm where there is one (memory, not disk); the caller removes it."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
     fd, path = tempfile.mkstemp(prefix="cleave-core-share-", dir=directory)
@@ -199,20 +200,33 @@ def main(argv: list[str] | None = None) -> int:
         # Under the split the prefill workers share their CPUs with the router, which forwards every
         # token of every stream: they yield to it (see PREFILL_NICENESS).
         niceness = PREFILL_NICENESS if split is not None else 0
-        # While no prefill worker computes, the decode workers' kernels borrow the prefill CPUs
-        # (shared.engine.cpu_threads.CoreShare).
-        lend = split is not None and not args.no_cpu_lending and args.prefill_workers > 0
-        lent = flags.format_cpu_list(prefill_cpus or frozenset())
+        # While one side has no work, the other side's kernels borrow its CPUs: the decode workers the prefill
+        # CPUs once a burst's prompts are in, the prefill workers the decode CPUs while no request decodes
+        # (shared.engine.cpu_threads.CoreShare). Slots: the prefill workers', then the decode workers'.
+        lend = split is not None and not args.no_cpu_lending and args.prefill_workers > 0 and args.decode_workers > 0
+        num_prefill, num_decode = args.prefill_workers, args.decode_workers
+        prefill_list = flags.format_cpu_list(prefill_cpus or frozenset())
+        decode_list = flags.format_cpu_list(decode_cpus or frozenset())
         if lend:
-            share_file = create_core_share_file(args.prefill_workers)
-            print(f"cpu lending: decode workers borrow cpus {lent} while no prefill worker computes "
+            share_file = create_core_share_file(num_prefill + num_decode)
+            print(f"cpu lending: decode workers borrow cpus {prefill_list} while no prefill worker computes, "
+                  f"prefill workers cpus {decode_list} while no decode worker does "
                   "(--no-cpu-lending to keep them apart)", flush=True)  # fmt: skip
-        lender = (lambda i: ["--core-share", f"{share_file}:lend:{i}"]) if lend else (lambda i: [])
-        borrower = ["--core-share", f"{share_file}:borrow:{args.prefill_workers}:{lent}"] if lend else []
-        pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", [*common, *lender(i)], prefill_cpus,
+
+        def share(slot: int) -> list[str]:
+            """A worker's --core-share: prefill workers hold slots [0, P), decode workers [P, P + D)."""
+            if not lend:
+                return []
+            if slot < num_prefill:
+                lenders, cpus = f"{num_prefill}-{num_prefill + num_decode - 1}", decode_list
+            else:
+                lenders, cpus = f"0-{num_prefill - 1}", prefill_list
+            return ["--core-share", f"{share_file}:lend:{slot}:borrow:{lenders}:{cpus}"]
+
+        pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", [*common, *share(i)], prefill_cpus,
                                  niceness) for i in range(args.prefill_workers)]  # fmt: skip
-        pending += [cluster.start(f"decode-{i}", "services.decode_worker", [*common, *borrower], decode_cpus)
-                    for i in range(args.decode_workers)]  # fmt: skip
+        pending += [cluster.start(f"decode-{i}", "services.decode_worker", [*common, *share(num_prefill + i)],
+                                  decode_cpus) for i in range(args.decode_workers)]  # fmt: skip
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip
         for child in pending:

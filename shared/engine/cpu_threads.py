@@ -38,8 +38,10 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import struct
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -192,17 +194,22 @@ SLOT = struct.Struct("d")  # per lender: 0.0 while it computes, else the CLOCK_M
 class CoreShare:
     """CPUs lent between the processes of one box. ``cleave serve`` splits the CPUs between its prefill
     workers and its decode workers (a decode step never waits for a core a prefill holds), and a split
-    leaves one side's cores idle whenever that side has nothing to do, as the prefill side has once a
-    burst's prompts are in. A lender (a prefill worker) marks its slot of a small shared file busy
-    before each step and idle, with the time, when its engine has no work; a borrower (a decode worker)
-    reads the slots before each step and, once every lender has been idle for ``LEND_AFTER_S``, lets its
-    kernels' pool (``csrc/pool.c``) run helper threads on the lent CPUs too. A lender that starts again
-    gets its CPUs back at the borrower's next step (a decode step: milliseconds); until then the
-    borrower's helpers share them with it.
+    leaves one side's cores idle whenever that side has nothing to do: the prefill side once a burst's
+    prompts are in, the decode side while a lone prompt is prefilled. Each worker is a lender: it marks
+    its slot of a small shared file busy before each step and idle, with the time, when its engine has
+    no work. Each is also a borrower of the other side's CPUs: before each step it reads that side's
+    slots and, once every one of them has been idle for ``LEND_AFTER_S``, lets its kernels' pool
+    (``csrc/pool.c``) run helper threads on the lent CPUs too. A lender that starts again gets its CPUs
+    back at the borrower's next step; until then the borrower's helpers share them with it, at the
+    borrower's priority (a prefill worker runs at a lower one, so a decode step that starts while a
+    prefill borrows keeps most of its core).
 
-    ``spec`` is what ``cleave serve`` passes as ``--core-share``: ``FILE:lend:SLOT`` or
-    ``FILE:borrow:SLOTS:CPUS`` (CPUS as in 0,2-3); the file holds ``SLOT.size`` zero bytes per lender
-    (zero: busy, so nothing is borrowed before a lender has said it is idle)."""
+    ``spec`` is what ``cleave serve`` passes as ``--core-share``: ``FILE:lend:SLOT``,
+    ``FILE:borrow:SLOTS:CPUS`` or both, ``FILE:lend:SLOT:borrow:SLOTS:CPUS`` (SLOTS and CPUS as in 0,2-3:
+    the slots whose lenders must all be idle, and the CPUs they lend); the file holds ``SLOT.size`` zero
+    bytes per lender (zero: busy, so nothing is borrowed before a lender has said it is idle)."""
+
+    SPEC = re.compile(r"(?P<path>.+?)(?::lend:(?P<slot>\d+))?(?::borrow:(?P<slots>[\d,-]+):(?P<cpus>[\d,-]+))?")
 
     def __init__(
         self,
@@ -213,47 +220,56 @@ class CoreShare:
     ) -> None:
         from shared import flags
 
-        for role in ("lend", "borrow"):
-            path, sep, rest = spec.rpartition(f":{role}:")
-            if sep:
-                break
-        else:
-            raise ValueError(f"--core-share {spec!r}: expected FILE:lend:SLOT or FILE:borrow:SLOTS:CPUS")
-        self.role = role
-        with open(path, "r+b") as f:
+        match = self.SPEC.fullmatch(spec)
+        if match is None or (match["slot"] is None and match["slots"] is None):
+            raise ValueError(
+                f"--core-share {spec!r}: expected FILE:lend:SLOT, FILE:borrow:SLOTS:CPUS or FILE:lend:SLOT:borrow:SLOTS:CPUS"
+            )
+        with open(match["path"], "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
-        if role == "lend":
-            self.slot, self.slots, self.lent_cpus = int(rest), 0, frozenset[int]()
+        self.slot = int(match["slot"]) if match["slot"] is not None else -1
+        if match["slots"] is not None:
+            self.lender_slots = sorted(flags.parse_cpu_list(match["slots"]))
+            self.lent_cpus = flags.parse_cpu_list(match["cpus"])
         else:
-            slots, _, cpus = rest.partition(":")
-            self.slot, self.slots, self.lent_cpus = -1, int(slots), flags.parse_cpu_list(cpus)
-        if not 0 <= max(self.slot, self.slots - 1) < len(self._map) // SLOT.size:
-            raise ValueError(f"--core-share {spec!r}: a slot outside the {len(self._map)}-byte file")
+            self.lender_slots, self.lent_cpus = [], frozenset[int]()
+        if (
+            self.slot in self.lender_slots
+            or not 0 <= max([self.slot, *self.lender_slots]) < len(self._map) // SLOT.size
+        ):
+            raise ValueError(f"--core-share {spec!r}: a slot outside the {len(self._map)}-byte file, or its own")
+        self.role = "+".join(r for r, on in (("lend", self.slot >= 0), ("borrow", bool(self.lender_slots))) if on)
         self.own_threads = max(1, own_threads)
         self.borrowing = False
         self.changes = 0
         self._clock = clock
-        self.busy = role == "lend"
+        self.busy = self.slot >= 0
         if self.busy:  # a lender (re)starting: busy until its engine first idles, whatever a predecessor wrote
             SLOT.pack_into(self._map, self.slot * SLOT.size, 0.0)
         self._lib = lib if lib is not None and hasattr(lib, "pool_set_threads") else None
-        if role == "borrow" and self._lib is not None:
+        if self.lender_slots and self._lib is not None:
             helper_cpus = sorted(self.lent_cpus | set(os.sched_getaffinity(0)))
             self._lib.pool_set_helper_cpus((ctypes.c_int * len(helper_cpus))(*helper_cpus), len(helper_cpus))
+            # The pool reads the lenders' slots at every parallel loop: one that computes again gets its
+            # CPUs back from the next loop on, not from this process's next step (a prefill step is long).
+            self._slots_view = (ctypes.c_double * (len(self._map) // SLOT.size)).from_buffer(self._map)
+            index = (ctypes.c_int * len(self.lender_slots))(*self.lender_slots)
+            self._lib.pool_set_lenders(ctypes.addressof(self._slots_view), index, len(self.lender_slots))
+            weakref.finalize(self, self._lib.pool_set_lenders, None, None, 0)  # before the file's map goes
 
     def lenders_idle(self) -> bool:
         now = self._clock()
-        for i in range(self.slots):
+        for i in self.lender_slots:
             idle_since = SLOT.unpack_from(self._map, i * SLOT.size)[0]
             if idle_since <= 0.0 or now - idle_since < LEND_AFTER_S:
                 return False
         return True
 
     def before_step(self) -> None:
-        if self.role == "lend":
-            if not self.busy:
-                self.busy = True
-                SLOT.pack_into(self._map, self.slot * SLOT.size, 0.0)
+        if self.slot >= 0 and not self.busy:
+            self.busy = True
+            SLOT.pack_into(self._map, self.slot * SLOT.size, 0.0)
+        if not self.lender_slots:
             return
         borrow = self.lenders_idle()
         if borrow != self.borrowing:
@@ -265,6 +281,6 @@ class CoreShare:
 
     def idle(self) -> None:
         """The engine has no work: a lender's CPUs may be borrowed from ``LEND_AFTER_S`` on."""
-        if self.busy:
+        if self.slot >= 0 and self.busy:
             self.busy = False
             SLOT.pack_into(self._map, self.slot * SLOT.size, self._clock())

@@ -161,6 +161,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.pool_set_threads.restype = None
         lib.pool_set_helper_cpus.argtypes = [ptr, i32]
         lib.pool_set_helper_cpus.restype = None
+        lib.pool_set_lenders.argtypes = [ptr, ptr, i32]
+        lib.pool_set_lenders.restype = None
     if hasattr(lib, "pool_count_items"):  # the tests' view of the kernels' parallel loop (csrc/pool.c)
         lib.pool_count_items.argtypes = [i64, i64, ptr]
         lib.pool_count_items.restype = None

@@ -62,14 +62,14 @@ def test_lending_is_on_unless_turned_off():
     assert _args(["--model", "m", "--no-cpu-lending"])[0].no_cpu_lending
 
 
-def test_the_lending_file_starts_busy_for_every_prefill_worker():
-    """Zeros: nothing is borrowed before each prefill worker has said it is idle."""
+def test_the_lending_file_starts_busy_for_every_worker():
+    """Zeros: nothing is borrowed before each worker has said it is idle."""
     from shared.engine.cpu_threads import CoreShare
 
     path = launcher.create_core_share_file(3)
     try:
         with open(path, "rb") as f:
             assert f.read() == bytes(24)
-        assert not CoreShare(f"{path}:borrow:3:0").lenders_idle()
+        assert not CoreShare(f"{path}:borrow:0-2:0").lenders_idle()
     finally:
         os.unlink(path)

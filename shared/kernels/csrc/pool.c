@@ -59,6 +59,10 @@ static __thread int inside_pool;
 static atomic_int threads_override; /* pool_set_threads: 0 = omp_get_max_threads() */
 static cpu_set_t helper_cpus;
 static atomic_int helper_cpus_set;
+#define MAX_LENDERS 64
+static const volatile double *lender_slots;
+static int lender_index[MAX_LENDERS];
+static atomic_int num_lenders;
 
 #define GEN(w) ((uint32_t)((w) >> 48))
 #define HELPERS(w) ((int)(((w) >> 42) & 0x3f))
@@ -151,13 +155,21 @@ static int start_helpers(int wanted) {
     return num_helpers < wanted ? num_helpers : wanted;
 }
 
+/* A lender whose CPUs this process borrows computes again (see pool_set_lenders). */
+static int lender_busy(void) {
+    const int n = atomic_load_explicit(&num_lenders, memory_order_acquire);
+    for (int i = 0; i < n; i++)
+        if (lender_slots[lender_index[i]] <= 0.0) return 1;
+    return 0;
+}
+
 void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     if (n <= 0) return;
     if (grain < 1) grain = 1;
     int64_t chunks = (n + grain - 1) / grain;
     if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
     const int override = atomic_load_explicit(&threads_override, memory_order_relaxed);
-    const int threads = inside_pool ? 1 : override > 0 ? override : omp_get_max_threads();
+    const int threads = inside_pool ? 1 : override > 0 && !lender_busy() ? override : omp_get_max_threads();
     if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&caller_lock) != 0) {
         fn(ctx, 0, n);
         return;
@@ -196,6 +208,14 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
 }
 
 void pool_set_threads(int n) { atomic_store(&threads_override, n > 0 ? n : 0); }
+
+void pool_set_lenders(const volatile double *slots, const int *index, int n) {
+    atomic_store(&num_lenders, 0);
+    if (n > MAX_LENDERS) n = MAX_LENDERS;
+    for (int i = 0; i < n; i++) lender_index[i] = index[i];
+    lender_slots = slots;
+    atomic_store_explicit(&num_lenders, n > 0 && slots != NULL ? n : 0, memory_order_release);
+}
 
 void pool_set_helper_cpus(const int *cpus, int n) {
     CPU_ZERO(&helper_cpus);

@@ -28,6 +28,12 @@ void pool_set_threads(int n);
  * started afterwards: call it before the first loop with more than one thread. */
 void pool_set_helper_cpus(const int *cpus, int n);
 
+/* While pool_set_threads has lent CPUs in use: the lenders' slots (``slots[index[i]]`` for i < n, each
+ * 0.0 while its lender computes, as cpu_threads.CoreShare writes them), read at every loop; a loop that
+ * finds one busy runs on the pool's own threads, so a lender that starts again has its CPUs back from
+ * the borrower's next loop (microseconds) instead of its next step. n = 0: none (the default). */
+void pool_set_lenders(const volatile double *slots, const int *index, int n);
+
 /* fn over rows [0, num_rows) of row_elems elements each: on the calling thread alone below
  * 2^17 elements (a decode step's rows are a few microseconds of work, not worth waking a helper
  * for; torch's element-wise grain is similar), else pool_for in chunks of about 2^15 elements. */

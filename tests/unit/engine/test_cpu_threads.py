@@ -161,6 +161,9 @@ class RecordingLib:
     def pool_set_helper_cpus(self, cpus, n: int) -> None:
         self.calls.append(("helper_cpus", sorted(cpus[i] for i in range(n))))
 
+    def pool_set_lenders(self, slots, index, n: int) -> None:
+        self.calls.append(("lenders", [index[i] for i in range(n)] if n else []))
+
 
 def _share_file(tmp_path, slots: int) -> str:
     path = tmp_path / "share"
@@ -173,8 +176,8 @@ def test_core_share_borrows_only_once_every_lender_has_been_idle_a_while(tmp_pat
     now = [100.0]
     lenders = [CoreShare(f"{path}:lend:{i}", clock=lambda: now[0]) for i in (0, 1)]
     lib = RecordingLib()
-    borrower = CoreShare(f"{path}:borrow:2:0,3", own_threads=1, lib=lib, clock=lambda: now[0])  # type: ignore[arg-type]
-    assert lib.calls == [("helper_cpus", sorted({0, 3} | set(os.sched_getaffinity(0))))]
+    borrower = CoreShare(f"{path}:borrow:0-1:0,3", own_threads=1, lib=lib, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert lib.calls == [("helper_cpus", sorted({0, 3} | set(os.sched_getaffinity(0)))), ("lenders", [0, 1])]
     borrower.before_step()
     assert not borrower.borrowing  # a fresh file: no lender has said it is idle
     lenders[0].idle()
@@ -199,7 +202,35 @@ def test_core_share_borrows_only_once_every_lender_has_been_idle_a_while(tmp_pat
     assert borrower.borrowing and borrower.changes == 3
 
 
-@pytest.mark.parametrize("spec", ["{path}:lend", "{path}:share:0", "{path}:lend:5", "{path}:borrow:3:0"])
+def test_core_share_lends_and_borrows_in_one_process(tmp_path):
+    """Both sides of cleave serve's split: a prefill worker borrows the decode CPUs while the decode
+    worker is idle, and the decode worker the prefill CPUs while the prefill worker is."""
+    path = _share_file(tmp_path, 2)
+    now = [100.0]
+    prefill_lib, decode_lib = RecordingLib(), RecordingLib()
+    prefill = CoreShare(f"{path}:lend:0:borrow:1:1", lib=prefill_lib, clock=lambda: now[0])  # type: ignore[arg-type]
+    decode = CoreShare(f"{path}:lend:1:borrow:0:0", lib=decode_lib, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert prefill.role == decode.role == "lend+borrow"
+    assert prefill_lib.calls[-1] == ("lenders", [1]) and decode_lib.calls[-1] == ("lenders", [0])
+    decode.idle()
+    now[0] += LEND_AFTER_S * 2
+    prefill.before_step()  # a lone prompt: the prefill takes the idle decode CPU as well
+    assert prefill.borrowing and prefill_lib.calls[-1] == ("threads", 2)
+    decode.before_step()  # its request arrives: the prefill worker is busy, nothing to borrow
+    assert not decode.borrowing and decode.busy
+    prefill.before_step()
+    assert not prefill.borrowing and prefill_lib.calls[-1] == ("threads", 0)
+    prefill.idle()
+    now[0] += LEND_AFTER_S * 2
+    decode.before_step()
+    assert decode.borrowing and decode_lib.calls[-1] == ("threads", 2)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["{path}:lend", "{path}:share:0", "{path}:lend:5", "{path}:borrow:3:0", "{path}:lend:0:borrow:0-1:2",
+     "{path}:borrow:0"],
+)  # fmt: skip
 def test_core_share_refuses_a_malformed_spec(tmp_path, spec):
     path = _share_file(tmp_path, 2)
     with pytest.raises(ValueError):

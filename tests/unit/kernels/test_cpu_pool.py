@@ -144,3 +144,47 @@ def test_set_threads_overrides_the_torch_count_and_helpers_run_where_told(thread
     os.waitpid(pid, 0)
     assert alone_text == f"[{own}]"
     assert seen_text == f"[{own}, {lent}]"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_lender_that_computes_again_has_its_cpu_back_at_the_next_loop(threads, pool_threads):
+    """The pool reads the lenders' slots (cpu_threads.CoreShare's file) at every loop: while one says
+    busy (0.0) the loops run on the caller's CPU alone, though pool_set_threads still lends; once it
+    says idle again (the time it went idle) the helper on the lent CPU takes items again."""
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.sched_setaffinity(0, {own})
+            torch.set_num_threads(1)
+            lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
+            slots = (ctypes.c_double * 3)(5.0, 0.0, 7.0)  # the second slot: another side's lender, busy
+            lib.pool_set_lenders(ctypes.addressof(slots), (ctypes.c_int * 2)(0, 2), 2)
+            pool_threads(2)
+            cpus = torch.full((64,), -1, dtype=torch.int32)
+
+            def ran_on() -> set[int]:
+                seen: set[int] = set()
+                for _ in range(20):  # until the helper, woken on its first loop, has taken items
+                    lib.pool_record_cpus(64, 200_000, cpus.data_ptr())
+                    seen |= set(cpus.tolist())
+                    if lent in seen:
+                        break
+                return seen
+
+            idle = ran_on()
+            slots[2] = 0.0  # a lender starts a step
+            busy = ran_on()
+            slots[2] = 9.0
+            again = ran_on()
+            lib.pool_set_lenders(None, None, 0)
+            os.write(write, f"{sorted(idle)};{sorted(busy)};{sorted(again)}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        idle_text, busy_text, again_text = f.read().split(";")
+    os.waitpid(pid, 0)
+    assert idle_text == again_text == f"[{own}, {lent}]"
+    assert busy_text == f"[{own}]"
