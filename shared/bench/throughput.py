@@ -7,6 +7,8 @@ the Python of a separate vLLM install given by ``--vllm-python``; vLLM is never
 a dependency of Cleave). EOS is ignored so every backend produces exactly the
 requested tokens. Prints one JSON object; ``cleave`` and ``vllm`` also report
 ``output_digest``, a hash of the greedy tokens, equal when the engines agree.
+``peak_memory_bytes`` is this process's peak resident size, or for ``vllm`` the
+peak of its processes' summed proportional set sizes (``peak_memory_of`` says which).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +34,49 @@ from shared.models.gguf_file import is_gguf_path
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class TreeMemory:
+    """The peak of the summed memory of a process and its descendants, sampled every ``interval``
+    seconds on a thread: vLLM runs its engine in a process of its own, so neither its front process's
+    peak nor the largest child's is what the run held. Each process counts its proportional set size
+    where the kernel gives it (a page shared by k of them counts 1/k in each, so the libraries every
+    process maps count once), else its resident size."""
+
+    def __init__(self, pid: int, interval: float = 0.1) -> None:
+        import psutil
+
+        self._root = psutil.Process(pid)
+        self._interval = interval
+        self._stop = threading.Event()
+        self.peak_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="tree-memory", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> int:
+        import psutil
+
+        total = 0
+        try:
+            processes = [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        for process in processes:
+            try:
+                total += getattr(process.memory_full_info(), "pss", None) or process.memory_info().rss
+            except psutil.Error:
+                pass  # gone meanwhile
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self._sample())
+            self._stop.wait(self._interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_bytes
 
 
 def run_cleave(args, workload) -> dict:
@@ -176,12 +222,26 @@ def run_vllm(args, workload) -> dict:
         json.dump(spec, f)
         f.flush()
         script = Path(__file__).with_name("vllm_offline.py")
-        proc = subprocess.run([args.vllm_python, str(script), f.name], env=_vllm_env(args), capture_output=True,
-                              text=True, timeout=args.vllm_timeout)  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("CLEAVE_BENCH_RESULT ")]
+        proc = subprocess.Popen([args.vllm_python, str(script), f.name], env=_vllm_env(args),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        memory = TreeMemory(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=args.vllm_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise SystemExit(f"vLLM run took longer than --vllm-timeout {args.vllm_timeout:g} s") from None
+        finally:
+            peak = memory.stop()
+    lines = [line for line in stdout.splitlines() if line.startswith("CLEAVE_BENCH_RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1].removeprefix("CLEAVE_BENCH_RESULT ")) | {"kv_slot_utilization": None}
+        raise SystemExit(f"vLLM run failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    result = json.loads(lines[-1].removeprefix("CLEAVE_BENCH_RESULT "))
+    return result | {
+        "kv_slot_utilization": None,
+        "peak_memory_bytes": peak,
+        "peak_memory_of": "vLLM's processes (proportional set size)",
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -222,6 +282,7 @@ def main(argv: list[str]) -> int:
         "output_tokens_per_s": round(result["output_tokens"] / elapsed, 2),
         "total_tokens_per_s": round((result["output_tokens"] + prompt_tokens) / elapsed, 2),
         "peak_memory_bytes": _peak_rss_bytes(),
+        "peak_memory_of": "this process",
         **result,
     }
     json.dump(report, sys.stdout, indent=2)
