@@ -218,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             if not lend:
                 return []
             if slot < num_prefill:
-                lenders, cpus = f"{num_prefill}-{num_prefill + num_decode - 1}", decode_list
+                lenders, cpus = range(num_prefill, num_prefill + num_decode), decode_list
             else:
-                lenders, cpus = f"0-{num_prefill - 1}", prefill_list
-            return ["--core-share", f"{share_file}:lend:{slot}:borrow:{lenders}:{cpus}"]
+                lenders, cpus = range(num_prefill), prefill_list
+            slots = flags.format_cpu_list(frozenset(lenders))
+            return ["--core-share", f"{share_file}:lend:{slot}:borrow:{slots}:{cpus}"]
 
         pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", [*common, *share(i)], prefill_cpus,
                                  niceness) for i in range(args.prefill_workers)]  # fmt: skip

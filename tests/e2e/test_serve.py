@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 
+from shared.flags import format_cpu_list
 from shared.launcher import PREFILL_NICENESS
 from tests.integration.cluster import ROOT, free_port
 
@@ -68,6 +69,11 @@ def _assert_cpu_split(children: list[int]) -> None:
                 niceness = os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0)
                 want_niceness = PREFILL_NICENESS if module == "services.prefill_worker" else 0
                 assert niceness == min(want_niceness, 19 - os.getpriority(os.PRIO_PROCESS, 0)), (module, niceness)
+                # Each worker lends its CPUs (its slot) and borrows the other side's while that side idles.
+                if module == "services.prefill_worker":
+                    assert f":lend:0:borrow:1:{format_cpu_list(frozenset(cpus[half:]))} " in cmdline, cmdline
+                elif module == "services.decode_worker":
+                    assert f":lend:1:borrow:0:{format_cpu_list(frozenset(cpus[:half]))} " in cmdline, cmdline
                 seen.add(module)
     assert seen == set(expected)
 
