@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -112,38 +113,53 @@ def pool_threads():
     lib.pool_set_threads(0)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_set_threads_overrides_the_torch_count_and_helpers_run_where_told(threads, pool_threads):
-    """What a decode worker does to borrow a prefill worker's CPU: one torch thread, two pool threads,
-    the caller pinned to one CPU and the helpers allowed only on the other. Run in a forked child, whose
-    pool starts without helpers (they take the CPUs given when they start)."""
-    own, lent = sorted(os.sched_getaffinity(0))[:2]
+def _in_child(body: Callable[[], str]) -> str:
+    """What ``body`` returns, run in a forked child: the pool's settings and helpers are the child's own
+    (a child's pool starts without helpers, and they take the CPUs given when they start)."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: report the CPUs that ran the items, then leave without cleanup
+    if pid == 0:  # the child: report, then leave without cleanup
         try:
-            os.sched_setaffinity(0, {own})
-            torch.set_num_threads(1)
-            lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
-            cpus = torch.full((64,), -1, dtype=torch.int32)
-            lib.pool_record_cpus(64, 0, cpus.data_ptr())  # one thread: the caller alone
-            alone = set(cpus.tolist())
-            pool_threads(2)
-            seen: set[int] = set()
-            for _ in range(20):  # until the helper, woken on its first loop, has taken items
-                lib.pool_record_cpus(64, 200_000, cpus.data_ptr())
-                seen |= set(cpus.tolist())
-                if lent in seen:
-                    break
-            os.write(write, f"{sorted(alone)};{sorted(seen)}".encode())
+            os.write(write, body().encode())
         finally:
             os._exit(0)
     os.close(write)
     with os.fdopen(read) as f:
-        alone_text, seen_text = f.read().split(";")
+        text = f.read()
     os.waitpid(pid, 0)
-    assert alone_text == f"[{own}]"
-    assert seen_text == f"[{own}, {lent}]"
+    return text
+
+
+def _cpus_that_run_items(lent: int) -> list[int]:
+    """The CPUs that ran the items of a few loops: until the helper, woken on its first loop, has taken
+    items on the lent CPU, or twenty loops without it."""
+    cpus = torch.full((64,), -1, dtype=torch.int32)
+    seen: set[int] = set()
+    for _ in range(20):
+        lib.pool_record_cpus(64, 200_000, cpus.data_ptr())
+        seen |= set(cpus.tolist())
+        if lent in seen:
+            break
+    return sorted(seen)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_set_threads_overrides_the_torch_count_and_helpers_run_where_told(threads, pool_threads):
+    """What a decode worker does to borrow a prefill worker's CPU: one torch thread, two pool threads,
+    the caller pinned to one CPU and the helpers allowed only on the other."""
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+
+    def body() -> str:
+        os.sched_setaffinity(0, {own})
+        torch.set_num_threads(1)
+        lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
+        cpus = torch.full((64,), -1, dtype=torch.int32)
+        lib.pool_record_cpus(64, 0, cpus.data_ptr())  # one thread: the caller alone
+        alone = sorted(set(cpus.tolist()))
+        pool_threads(2)
+        return f"{alone};{_cpus_that_run_items(lent)}"
+
+    assert _in_child(body) == f"{[own]};{[own, lent]}"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -152,39 +168,20 @@ def test_a_lender_that_computes_again_has_its_cpu_back_at_the_next_loop(threads,
     busy (0.0) the loops run on the caller's CPU alone, though pool_set_threads still lends; once it
     says idle again (the time it went idle) the helper on the lent CPU takes items again."""
     own, lent = sorted(os.sched_getaffinity(0))[:2]
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.sched_setaffinity(0, {own})
-            torch.set_num_threads(1)
-            lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
-            slots = (ctypes.c_double * 3)(5.0, 0.0, 7.0)  # the second slot: another side's lender, busy
-            lib.pool_set_lenders(ctypes.addressof(slots), (ctypes.c_int * 2)(0, 2), 2)
-            pool_threads(2)
-            cpus = torch.full((64,), -1, dtype=torch.int32)
 
-            def ran_on() -> set[int]:
-                seen: set[int] = set()
-                for _ in range(20):  # until the helper, woken on its first loop, has taken items
-                    lib.pool_record_cpus(64, 200_000, cpus.data_ptr())
-                    seen |= set(cpus.tolist())
-                    if lent in seen:
-                        break
-                return seen
+    def body() -> str:
+        os.sched_setaffinity(0, {own})
+        torch.set_num_threads(1)
+        lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
+        slots = (ctypes.c_double * 3)(5.0, 0.0, 7.0)  # the second slot: another side's lender, busy
+        lib.pool_set_lenders(ctypes.addressof(slots), (ctypes.c_int * 2)(0, 2), 2)
+        pool_threads(2)
+        idle = _cpus_that_run_items(lent)
+        slots[2] = 0.0  # a lender starts a step
+        busy = _cpus_that_run_items(lent)
+        slots[2] = 9.0
+        again = _cpus_that_run_items(lent)
+        lib.pool_set_lenders(None, None, 0)
+        return f"{idle};{busy};{again}"
 
-            idle = ran_on()
-            slots[2] = 0.0  # a lender starts a step
-            busy = ran_on()
-            slots[2] = 9.0
-            again = ran_on()
-            lib.pool_set_lenders(None, None, 0)
-            os.write(write, f"{sorted(idle)};{sorted(busy)};{sorted(again)}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        idle_text, busy_text, again_text = f.read().split(";")
-    os.waitpid(pid, 0)
-    assert idle_text == again_text == f"[{own}, {lent}]"
-    assert busy_text == f"[{own}]"
+    assert _in_child(body) == f"{[own, lent]};{[own]};{[own, lent]}"
