@@ -44,6 +44,7 @@ typedef struct {
     void *ctx;
     int64_t n;
     int chunks;
+    int wide; /* helpers may run on the lent CPUs for this job (else on the caller's own) */
     atomic_int done;
 } Job;
 
@@ -57,7 +58,8 @@ static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 static __thread int inside_pool;
 static atomic_int threads_override; /* pool_set_threads: 0 = omp_get_max_threads() */
-static cpu_set_t helper_cpus;
+static cpu_set_t helper_cpus; /* the own CPUs and the lent ones */
+static cpu_set_t own_cpus;    /* the caller's CPUs when pool_set_helper_cpus was called */
 static atomic_int helper_cpus_set;
 #define MAX_LENDERS 64
 static const volatile double *lender_slots;
@@ -100,6 +102,7 @@ static void *helper_main(void *arg) {
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals are the interpreter's main thread's */
+    int wide = 1;
     if (atomic_load(&helper_cpus_set)) sched_setaffinity(0, sizeof(helper_cpus), &helper_cpus);
     inside_pool = 1;
     uint32_t seen = GEN(atomic_load(&word));
@@ -109,7 +112,16 @@ static void *helper_main(void *arg) {
             const uint64_t w = atomic_load_explicit(&word, memory_order_acquire);
             if (GEN(w) != seen) {
                 seen = GEN(w);
-                if (index < HELPERS(w) && FRONT(w) + BACK(w) < CHUNKS(w)) work(0);
+                if (index < HELPERS(w) && FRONT(w) + BACK(w) < CHUNKS(w)) {
+                    /* Off the lent CPUs while they are not lent (a lender computes, or nothing is
+                     * borrowed): the helper then stays where the caller's own threads run. */
+                    const int job_wide = jobs[GEN(w) & 1].wide;
+                    if (job_wide != wide && atomic_load(&helper_cpus_set)) {
+                        sched_setaffinity(0, sizeof(cpu_set_t), job_wide ? &helper_cpus : &own_cpus);
+                        wide = job_wide;
+                    }
+                    work(0);
+                }
                 break;
             }
             if ((spins & 63) == 0) {
@@ -169,7 +181,8 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     int64_t chunks = (n + grain - 1) / grain;
     if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
     const int override = atomic_load_explicit(&threads_override, memory_order_relaxed);
-    const int threads = inside_pool ? 1 : override > 0 && !lender_busy() ? override : omp_get_max_threads();
+    const int lent = override > 0 && !lender_busy();
+    const int threads = inside_pool ? 1 : lent ? override : omp_get_max_threads();
     if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&caller_lock) != 0) {
         fn(ctx, 0, n);
         return;
@@ -187,6 +200,7 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     job->ctx = ctx;
     job->n = n;
     job->chunks = (int)chunks;
+    job->wide = lent;
     atomic_store_explicit(&job->done, 0, memory_order_relaxed);
     atomic_exchange(&word, ((uint64_t)gen << 48) | ((uint64_t)helpers << 42) | ((uint64_t)chunks << 30));
     atomic_fetch_add(&generation, 1);
@@ -218,6 +232,7 @@ void pool_set_lenders(const volatile double *slots, const int *index, int n) {
 }
 
 void pool_set_helper_cpus(const int *cpus, int n) {
+    sched_getaffinity(0, sizeof(own_cpus), &own_cpus);
     CPU_ZERO(&helper_cpus);
     for (int i = 0; i < n; i++)
         if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &helper_cpus);

@@ -24,8 +24,10 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx);
  * back to it. A worker of cleave serve sets it to use CPUs another worker lends while that one is idle. */
 void pool_set_threads(int n);
 
-/* The CPUs helper threads may run on (the caller's mask where never set). Takes effect for helpers
- * started afterwards: call it before the first loop with more than one thread. */
+/* The CPUs helper threads may run on while CPUs are lent (the caller's mask where never set): the
+ * caller's own CPUs, taken from its mask now, and the lent ones. A helper runs on these for a loop that
+ * uses the lent CPUs, and on the caller's own for any other (moved when it takes the loop's first chunk).
+ * Call it before the first loop with more than one thread. */
 void pool_set_helper_cpus(const int *cpus, int n);
 
 /* While pool_set_threads has lent CPUs in use: the lenders' slots (``slots[index[i]]`` for i < n, each

@@ -185,3 +185,28 @@ def test_a_lender_that_computes_again_has_its_cpu_back_at_the_next_loop(threads,
         return f"{idle};{busy};{again}"
 
     assert _in_child(body) == f"{[own, lent]};{[own]};{[own, lent]}"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_own_helpers_stay_off_the_lent_cpus_while_they_are_not_lent(threads, pool_threads):
+    """A worker with helper threads of its own (two threads on its one CPU here) lets them onto the lent
+    CPU only for loops that borrow it: a loop while the lender computes, or with nothing borrowed, runs
+    where the worker's own threads run, though the helpers may run on the lent CPU."""
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+
+    def body() -> str:
+        os.sched_setaffinity(0, {own})
+        torch.set_num_threads(2)  # its own pool: the caller and one helper
+        lib.pool_set_helper_cpus((ctypes.c_int * 2)(own, lent), 2)
+        slots = (ctypes.c_double * 1)(0.0)  # the lender computes
+        lib.pool_set_lenders(ctypes.addressof(slots), (ctypes.c_int * 1)(0), 1)
+        pool_threads(2)
+        busy = _cpus_that_run_items(lent)
+        slots[0] = 9.0  # idle: lent
+        borrowed = _cpus_that_run_items(lent)
+        pool_threads(0)  # nothing borrowed
+        own_only = _cpus_that_run_items(lent)
+        lib.pool_set_lenders(None, None, 0)
+        return f"{busy};{borrowed};{own_only}"
+
+    assert _in_child(body) == f"{[own]};{[own, lent]};{[own]}"
