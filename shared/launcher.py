@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         # While one side has no work, the other side's kernels borrow its CPUs: the decode workers the prefill
         # CPUs once a burst's prompts are in, the prefill workers the decode CPUs while no request decodes
         # (shared.engine.cpu_threads.CoreShare). Slots: the prefill workers', then the decode workers'.
-        lend = split is not None and not args.no_cpu_lending and args.prefill_workers > 0 and args.decode_workers > 0
         num_prefill, num_decode = args.prefill_workers, args.decode_workers
+        lend = split is not None and not args.no_cpu_lending and num_prefill > 0 and num_decode > 0
         prefill_list = flags.format_cpu_list(prefill_cpus or frozenset())
         decode_list = flags.format_cpu_list(decode_cpus or frozenset())
         if lend:
@@ -217,17 +217,18 @@ def main(argv: list[str] | None = None) -> int:
             """A worker's --core-share: prefill workers hold slots [0, P), decode workers [P, P + D)."""
             if not lend:
                 return []
-            if slot < num_prefill:
-                lenders, cpus = range(num_prefill, num_prefill + num_decode), decode_list
-            else:
-                lenders, cpus = range(num_prefill), prefill_list
-            slots = flags.format_cpu_list(frozenset(lenders))
-            return ["--core-share", f"{share_file}:lend:{slot}:borrow:{slots}:{cpus}"]
+            prefill = slot < num_prefill
+            lenders = range(num_prefill, num_prefill + num_decode) if prefill else range(num_prefill)
+            cpus = decode_list if prefill else prefill_list
+            return [
+                "--core-share",
+                f"{share_file}:lend:{slot}:borrow:{flags.format_cpu_list(frozenset(lenders))}:{cpus}",
+            ]
 
         pending = [cluster.start(f"prefill-{i}", "services.prefill_worker", [*common, *share(i)], prefill_cpus,
-                                 niceness) for i in range(args.prefill_workers)]  # fmt: skip
+                                 niceness) for i in range(num_prefill)]  # fmt: skip
         pending += [cluster.start(f"decode-{i}", "services.decode_worker", [*common, *share(num_prefill + i)],
-                                  decode_cpus) for i in range(args.decode_workers)]  # fmt: skip
+                                  decode_cpus) for i in range(num_decode)]  # fmt: skip
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip
         for child in pending:

@@ -200,9 +200,10 @@ class CoreShare:
     no work. Each is also a borrower of the other side's CPUs: before each step it reads that side's
     slots and, once every one of them has been idle for ``LEND_AFTER_S``, lets its kernels' pool
     (``csrc/pool.c``) run helper threads on the lent CPUs too. A lender that starts again gets its CPUs
-    back at the borrower's next step; until then the borrower's helpers share them with it, at the
-    borrower's priority (a prefill worker runs at a lower one, so a decode step that starts while a
-    prefill borrows keeps most of its core).
+    back from the borrower's next parallel loop: the pool reads the slots at every loop
+    (``pool_set_lenders``); a chunk a helper has already started finishes at the borrower's priority (a
+    prefill worker runs at a lower one, so a decode step that starts while a prefill borrows keeps most
+    of its core).
 
     ``spec`` is what ``cleave serve`` passes as ``--core-share``: ``FILE:lend:SLOT``,
     ``FILE:borrow:SLOTS:CPUS`` or both, ``FILE:lend:SLOT:borrow:SLOTS:CPUS`` (SLOTS and CPUS as in 0,2-3:
@@ -245,7 +246,7 @@ class CoreShare:
         self._clock = clock
         self.busy = self.slot >= 0
         if self.busy:  # a lender (re)starting: busy until its engine first idles, whatever a predecessor wrote
-            SLOT.pack_into(self._map, self.slot * SLOT.size, 0.0)
+            self._mark(0.0)
         self._lib = lib if lib is not None and hasattr(lib, "pool_set_threads") else None
         if self.lender_slots and self._lib is not None:
             helper_cpus = sorted(self.lent_cpus | set(os.sched_getaffinity(0)))
@@ -256,6 +257,10 @@ class CoreShare:
             index = (ctypes.c_int * len(self.lender_slots))(*self.lender_slots)
             self._lib.pool_set_lenders(ctypes.addressof(self._slots_view), index, len(self.lender_slots))
             weakref.finalize(self, self._lib.pool_set_lenders, None, None, 0)  # before the file's map goes
+
+    def _mark(self, value: float) -> None:
+        """This lender's slot: 0.0 (computing) or the time it went idle."""
+        SLOT.pack_into(self._map, self.slot * SLOT.size, value)
 
     def lenders_idle(self) -> bool:
         now = self._clock()
@@ -268,7 +273,7 @@ class CoreShare:
     def before_step(self) -> None:
         if self.slot >= 0 and not self.busy:
             self.busy = True
-            SLOT.pack_into(self._map, self.slot * SLOT.size, 0.0)
+            self._mark(0.0)
         if not self.lender_slots:
             return
         borrow = self.lenders_idle()
@@ -283,4 +288,4 @@ class CoreShare:
         """The engine has no work: a lender's CPUs may be borrowed from ``LEND_AFTER_S`` on."""
         if self.slot >= 0 and self.busy:
             self.busy = False
-            SLOT.pack_into(self._map, self.slot * SLOT.size, self._clock())
+            self._mark(self._clock())
