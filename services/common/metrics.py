@@ -80,6 +80,9 @@ class WorkerMetrics:
         self.step_tokens = histogram("cleave_iteration_tokens", "Tokens batched per engine step.", TOKEN_BUCKETS)
         # KV transfer between workers.
         self.kv_bytes = counter("cleave_kv_transfer_bytes", "KV cache bytes pulled from prefill workers.")
+        self.kv_local_bytes = counter("cleave_kv_local_read_bytes",
+                                      "Of those bytes, the ones read straight from the memory of a prefill worker "
+                                      "on this machine (no transfer backend).")  # fmt: skip
         self.kv_seconds = histogram("cleave_kv_transfer_seconds", "Duration of one KV pull.", KV_TRANSFER_BUCKETS)
         self.kv_descriptors = counter("cleave_kv_transfer_descriptors", "Transfer descriptors of KV pulls.")
         self.kv_transfers = counter("cleave_kv_transfers", "KV pulls completed.")
@@ -109,7 +112,7 @@ class WorkerMetrics:
             counter.inc(delta)
         self._last[key] = total
 
-    def update(self, stats: EngineStats, num_leased: int) -> None:
+    def update(self, stats: EngineStats, num_leased: int, kv_local_bytes: int = 0) -> None:
         """Copy an engine snapshot into the gauges and counters."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -123,6 +126,7 @@ class WorkerMetrics:
         self._advance(self.generation_tokens, "gt", stats.num_generation_tokens)
         self._advance(self.lease_expired, "le", stats.num_leases_expired)
         self._advance(self.kv_pull_cached, "kc", stats.num_pull_cached_tokens)
+        self._advance(self.kv_local_bytes, "lb", kv_local_bytes)
 
     def observe_step(self, num_batched_tokens: int) -> None:
         if num_batched_tokens > 0:

@@ -60,6 +60,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--worker-id", default=env_default("--worker-id", None))
     parser.add_argument("--kv-transfer-backend", default=env_default("--kv-transfer-backend", "auto"),
                         choices=["auto", "nixl", "tcp"], help="KV block transfer backend")  # fmt: skip
+    parser.add_argument("--no-kv-local-reads", action="store_true",
+                        default=env_default("--no-kv-local-reads", "").lower() in ("1", "true"),
+                        help="move KV blocks through --kv-transfer-backend also between workers on one machine "
+                        "(by default a worker reads a peer's blocks on the same machine straight from that "
+                        "process's memory, with process_vm_readv)")  # fmt: skip
     parser.add_argument("--log-level", default=env_default("--log-level", "INFO"))
     parser.add_argument("--redis-url", default=env_default("--redis-url", None),
                         help="register this worker in Redis for discovery, e.g. redis://127.0.0.1:6379/0 "
@@ -108,8 +113,9 @@ class WorkerBase:
             core.runner.kv_cache, model_id=os.path.basename(os.path.abspath(args.model)), role=self.role
         )
         self.connector = create_connector(
-            core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host
-        )
+            core.runner.kv_cache, self.peer_info, backend=args.kv_transfer_backend, host=args.host,
+            local_reads=not args.no_kv_local_reads,
+        )  # fmt: skip
         self.metrics = WorkerMetrics(self.role, self.worker_id, block_size=core.config.block_size,
                                      num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
         core.on_step = self.metrics.observe_step
@@ -238,7 +244,7 @@ class WorkerBase:
 
     async def metrics_loop(self) -> None:
         while True:
-            self.metrics.update(self.engine.core.stats(), self.num_leased)
+            self.metrics.update(self.engine.core.stats(), self.num_leased, self.connector.local_bytes_total)
             await asyncio.sleep(1.0)
 
 

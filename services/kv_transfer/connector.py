@@ -8,13 +8,16 @@ worker's `local_metadata()` (fetched over gRPC `GetKVMetadata`) and `pull`s
 leased blocks into its own freshly allocated block ids.
 
 Metadata envelope (JSON, versioned): the sender's `PeerInfo`, its connector
-name (the peer id), its number of blocks, the bytes per block, and a
-backend-specific payload.
+name (the peer id), its number of blocks, the bytes per block, a
+backend-specific payload and, for a cache in host memory, where it lies
+(`host_memory`): a peer on the same machine is then read directly from that
+process's memory instead of through the backend (see host_memory).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 
+from services.kv_transfer import host_memory
 from services.kv_transfer.handshake import KVCompatibilityError, PeerInfo, check_peer, parse_metadata_json
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,8 @@ class RemotePeer:
     num_blocks: int
     block_bytes: int
     payload: dict[str, Any]  # backend-specific
+    host_memory: Any = None  # the sender's host_memory description, if any
+    local: host_memory.Region | None = None  # set by add_peer where the peer is read directly
 
 
 def merge_block_runs(remote_block_ids: list[int], local_block_ids: list[int]) -> list[BlockRun]:
@@ -141,8 +147,16 @@ class KVConnector(ABC):
 
     backend_name: str = ""
 
-    def __init__(self, kv_cache: torch.Tensor, peer_info: PeerInfo, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        peer_info: PeerInfo,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        local_reads: bool = True,
+    ) -> None:
         _check_kv_cache(kv_cache, peer_info)
+        # Peers on this machine read our cache, and we theirs, straight from process memory (host_memory).
+        self.local_reads = local_reads
         self.kv_cache = kv_cache
         self.peer_info = peer_info.with_backend(self.backend_name)
         self.timeout_s = timeout_s
@@ -151,6 +165,7 @@ class KVConnector(ABC):
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.name = f"{peer_info.role or 'kv'}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.bytes_total = 0
+        self.local_bytes_total = 0  # of bytes_total: read from a peer's process memory (host_memory)
         self.transfers_total = 0
         self.failures_total = 0
         self.seconds_total = 0.0
@@ -170,6 +185,9 @@ class KVConnector(ABC):
             "block_bytes": self.block_bytes,
             "backend": self._backend_metadata(),
         }
+        described = host_memory.describe(self.kv_cache) if self.local_reads else None
+        if described is not None:
+            envelope["host_memory"] = described
         return json.dumps(envelope, separators=(",", ":")).encode("utf-8")
 
     def add_peer(self, metadata: bytes) -> str:
@@ -184,15 +202,21 @@ class KVConnector(ABC):
         with self._lock:
             if peer.peer_id in self._peers:
                 return peer.peer_id
-        self._connect_peer(peer)
+        region, why_not = self._open_local(peer)
+        if region is not None:
+            # Everything is read from the peer's memory: the backend never connects to it.
+            peer = dataclasses.replace(peer, local=region)
+        else:
+            self._connect_peer(peer)
         with self._lock:
             self._peers[peer.peer_id] = peer
         logger.info(
-            "kv_peer_added backend=%s peer=%s role=%s num_blocks=%d",
+            "kv_peer_added backend=%s peer=%s role=%s num_blocks=%d reads=%s",
             self.backend_name,
             peer.peer_id,
             peer.info.role,
             peer.num_blocks,
+            "process-memory" if region is not None else f"backend ({why_not})",
         )
         return peer.peer_id
 
@@ -218,7 +242,10 @@ class KVConnector(ABC):
                         f"remote block ids {remote_block_ids} out of range for peer {peer_id} "
                         f"with {peer.num_blocks} blocks"
                     )
-            self._read_runs(peer, runs)
+            if peer.local is not None:
+                self._read_local(peer, runs)
+            else:
+                self._read_runs(peer, runs)
         except KVTransferError as exc:
             with self._lock:
                 self.failures_total += 1
@@ -227,9 +254,15 @@ class KVConnector(ABC):
         seconds = time.perf_counter() - start
         with self._lock:
             self.bytes_total += num_bytes
+            if peer.local is not None:
+                self.local_bytes_total += num_bytes
             self.transfers_total += 1
             self.seconds_total += seconds
         return TransferStats(num_bytes=num_bytes, seconds=seconds, num_descriptors=len(runs))
+
+    def reads_locally(self, peer_id: str) -> bool:
+        """Whether pulls from this peer read its process's memory (a peer on this machine) rather than the backend."""
+        return self._peer(peer_id).local is not None
 
     def remove_peer(self, peer_id: str) -> bool:
         """Forget a peer (e.g. a prefill worker that left) and drop its connection; False if unknown."""
@@ -237,7 +270,8 @@ class KVConnector(ABC):
             peer = self._peers.pop(peer_id, None)
         if peer is None:
             return False
-        self._disconnect_peer(peer)
+        if peer.local is None:
+            self._disconnect_peer(peer)
         logger.info("kv_peer_removed backend=%s peer=%s", self.backend_name, peer_id)
         return True
 
@@ -269,6 +303,27 @@ class KVConnector(ABC):
     def _read_runs(self, peer: RemotePeer, runs: list[BlockRun]) -> None:
         """Read every run from `peer` into the local kv_cache; raise KVTransferError on failure."""
 
+    def _open_local(self, peer: RemotePeer) -> tuple[host_memory.Region | None, str]:
+        if not self.local_reads:
+            return None, "local reads off"
+        if self.kv_cache.device.type != "cpu" or not self.kv_cache.is_contiguous():
+            return None, "this cache is not in host memory"
+        if peer.host_memory is None:
+            return None, "the peer's cache is not in host memory, or it reads through the backend only"
+        region, why_not = host_memory.open_region(peer.host_memory)
+        if region is not None and region.num_bytes < peer.num_blocks * peer.block_bytes:
+            return None, "the peer's cache is smaller than its blocks"
+        return region, why_not
+
+    def _read_local(self, peer: RemotePeer, runs: list[BlockRun]) -> None:
+        assert peer.local is not None
+        base, remote, size = self.kv_cache.data_ptr(), peer.local.address, self.block_bytes
+        copies = [(base + r.local_start * size, remote + r.remote_start * size, r.num_blocks * size) for r in runs]
+        try:
+            host_memory.read(peer.local, copies)
+        except host_memory.ReadFailed as exc:
+            raise KVTransferError(f"reading the KV blocks of peer {peer.peer_id} failed: {exc}") from exc
+
     def _peer(self, peer_id: str) -> RemotePeer:
         with self._lock:
             peer = self._peers.get(peer_id)
@@ -297,6 +352,7 @@ def _decode_envelope(metadata: bytes) -> RemotePeer:
             num_blocks=int(envelope["num_blocks"]),
             block_bytes=int(envelope["block_bytes"]),
             payload=payload,
+            host_memory=envelope.get("host_memory"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise KVCompatibilityError(f"peer KV metadata is malformed ({exc!r}): run the same Cleave version") from exc
@@ -308,8 +364,10 @@ def create_connector(
     backend: str = "auto",
     host: str = "127.0.0.1",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    local_reads: bool = True,
 ) -> KVConnector:
-    """Connector over `kv_cache`: "nixl", "tcp", or "auto" (NIXL when it imports and an agent starts, else TCP)."""
+    """Connector over `kv_cache`: "nixl", "tcp", or "auto" (NIXL when it imports and an agent starts, else TCP).
+    With `local_reads`, peers on this machine are read from their process's memory instead (host_memory)."""
     from services.kv_transfer import nixl_backend, tcp_backend
 
     if backend not in ("auto", "nixl", "tcp"):
@@ -317,7 +375,9 @@ def create_connector(
     connector: KVConnector
     if backend in ("auto", "nixl"):
         try:
-            nixl_connector = nixl_backend.NixlConnector(kv_cache, peer_info, timeout_s=timeout_s)
+            nixl_connector = nixl_backend.NixlConnector(
+                kv_cache, peer_info, timeout_s=timeout_s, local_reads=local_reads
+            )
         except nixl_backend.NixlUnavailableError as exc:
             if backend == "nixl":
                 raise RuntimeError(
@@ -330,6 +390,6 @@ def create_connector(
                 "kv_transfer_backend backend=nixl name=%s module=%s", nixl_connector.name, nixl_connector.module_name
             )
             return nixl_connector
-    connector = tcp_backend.TcpConnector(kv_cache, peer_info, host=host, timeout_s=timeout_s)
+    connector = tcp_backend.TcpConnector(kv_cache, peer_info, host=host, timeout_s=timeout_s, local_reads=local_reads)
     logger.info("kv_transfer_backend backend=tcp name=%s", connector.name)
     return connector

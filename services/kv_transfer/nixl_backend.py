@@ -104,8 +104,14 @@ class NixlConnector(KVConnector):
 
     backend_name = "nixl"
 
-    def __init__(self, kv_cache: torch.Tensor, peer_info: PeerInfo, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        super().__init__(kv_cache, peer_info, timeout_s=timeout_s)
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        peer_info: PeerInfo,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        local_reads: bool = True,
+    ) -> None:
+        super().__init__(kv_cache, peer_info, timeout_s=timeout_s, local_reads=local_reads)
         nixl = import_nixl()
         self.module_name = nixl.__name__
         if not os.environ.get("UCX_TLS"):  # an empty value makes UCX refuse to start

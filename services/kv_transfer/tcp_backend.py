@@ -189,8 +189,9 @@ class TcpConnector(KVConnector):
         peer_info: PeerInfo,
         host: str = "127.0.0.1",
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        local_reads: bool = True,
     ) -> None:
-        super().__init__(kv_cache, peer_info, timeout_s=timeout_s)
+        super().__init__(kv_cache, peer_info, timeout_s=timeout_s, local_reads=local_reads)
         self._host_bytes = _host_bytes(kv_cache)
         self._server = _BlockServer(kv_cache, self.block_bytes, host, timeout_s)
         self.host = socket.gethostname() if host in ("", "0.0.0.0", "::") else host

@@ -46,7 +46,9 @@ def reference(model_dir):
 
 
 def _cluster(model_dir, backend: str, prefill: int = 1, **worker_extra):
-    extra = ["--kv-transfer-backend", backend]
+    # The workers share this machine: over NIXL they read each other's blocks from process memory (the
+    # default), over TCP through the backend (--no-kv-local-reads), so both paths run in a real cluster.
+    extra = ["--kv-transfer-backend", backend, *(["--no-kv-local-reads"] if backend == "tcp" else [])]
     for key, value in worker_extra.items():
         extra += [f"--{key.replace('_', '-')}", str(value)]
     prefills = [start_worker("prefill", model_dir, *extra) for _ in range(prefill)]
@@ -140,6 +142,13 @@ def test_concurrent_streams_transfer_kv_and_leak_nothing(cluster, reference):
     assert all(text == reference[prompt] for prompt, text in results)
     moved = scrape(decode_metrics, "cleave_kv_transfer_bytes_total") - before
     assert moved > 0, "no KV bytes were transferred"
+    if cluster["backend"] == "nixl":  # read from the prefill worker's memory (counted once a second)
+        deadline = time.monotonic() + 10
+        while scrape(decode_metrics, "cleave_kv_local_read_bytes_total") < moved and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scrape(decode_metrics, "cleave_kv_local_read_bytes_total") >= moved
+    else:
+        assert scrape(decode_metrics, "cleave_kv_local_read_bytes_total") == 0
     assert load_stats(cluster["decode"]).transfer_backend == cluster["backend"]
     with urllib.request.urlopen(f"http://127.0.0.1:{decode_metrics}/metrics", timeout=5) as resp:
         assert f'backend="{cluster["backend"]}"' in resp.read().decode()

@@ -133,10 +133,14 @@ def prefill_peer(peer_processes):
     return dict(zip(PREFILL_KEYS, peer_processes[0].metadata, strict=True))
 
 
-def decode_connector(backend: str, dtype: str, block_size: int = BLOCK_SIZE, timeout_s: float = 5.0) -> KVConnector:
+def decode_connector(
+    backend: str, dtype: str, block_size: int = BLOCK_SIZE, timeout_s: float = 5.0, local_reads: bool = False
+) -> KVConnector:
+    """The reading side. The peer process runs on this machine, so without ``local_reads=False`` every pull would
+    read its memory directly and never touch the backend under test."""
     kv_cache = torch.zeros(peer_proc.kv_shape(block_size), dtype=getattr(torch, dtype))
     peer_info = make_peer_info(kv_cache, model_id=peer_proc.MODEL_ID, role="decode")
-    return create_connector(kv_cache, peer_info, backend=backend, timeout_s=timeout_s)
+    return create_connector(kv_cache, peer_info, backend=backend, timeout_s=timeout_s, local_reads=local_reads)
 
 
 def expected_cache(dtype: str) -> torch.Tensor:
@@ -203,6 +207,73 @@ def test_pull_copies_exact_bytes(prefill_peer, backend, dtype):
         assert connector.add_peer(prefill_peer[(backend, dtype)]) == peer_id
         connector.pull(peer_id, [7], [7])
         assert same_bytes(local[7], expected[7])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_on_this_machine_is_read_from_its_memory(prefill_peer, backend, dtype, monkeypatch):
+    """With local reads (the default) the blocks come straight from the peer process's memory: the backend is
+    never asked (it would fail here), and the bytes are the peer's."""
+    expected = expected_cache(dtype)
+    with decode_connector(backend, dtype, local_reads=True) as connector:
+
+        def no_backend(peer, runs):
+            raise AssertionError("the backend was used for a peer on this machine")
+
+        monkeypatch.setattr(connector, "_read_runs", no_backend)
+        peer_id = connector.add_peer(prefill_peer[(backend, dtype)])
+        assert connector.reads_locally(peer_id)
+        stats = connector.pull(peer_id, [3, 4, 5, 9, 31], [10, 11, 12, 0, 31])
+        assert stats.num_descriptors == 3 and stats.num_bytes == 5 * connector.block_bytes
+        local = connector.kv_cache
+        assert same_bytes(local[10:13], expected[3:6])
+        assert same_bytes(local[0], expected[9]) and same_bytes(local[31], expected[31])
+        assert not local[[i for i in range(local.shape[0]) if i not in (0, 10, 11, 12, 31)]].any()
+        with pytest.raises(KVTransferError, match="out of range"):
+            connector.pull(peer_id, [32], [1])  # past the peer's cache: refused before any read
+        assert connector.transfers_total == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_elsewhere_is_read_through_the_backend(prefill_peer, backend):
+    """A peer whose description names another machine (or that sends none) goes through the backend."""
+    envelope = json.loads(prefill_peer[(backend, "float32")])
+    assert envelope["host_memory"]["pid"] != os.getpid()
+    expected = expected_cache("float32")
+    for host in ({**envelope["host_memory"], "boot_id": "another-machine"}, None):
+        changed = (
+            {**envelope, "host_memory": host}
+            if host is not None
+            else {k: v for k, v in envelope.items() if k != "host_memory"}
+        )
+        with decode_connector(backend, "float32", local_reads=True) as connector:
+            peer_id = connector.add_peer(json.dumps(changed).encode())
+            assert not connector.reads_locally(peer_id)
+            connector.pull(peer_id, [6, 7], [1, 2])
+            assert same_bytes(connector.kv_cache[1:3], expected[6:8])
+    with decode_connector(backend, "float32", local_reads=False) as connector:
+        assert not connector.reads_locally(connector.add_peer(prefill_peer[(backend, "float32")]))
+        assert b"host_memory" not in connector.local_metadata()
+
+
+def test_local_reads_of_a_dead_peer_fail_at_once():
+    """A peer killed after the handshake: the next pull fails (the caller then recomputes), it does not hang
+    nor read whatever process comes next under that PID."""
+    peer = PeerProcess([spec("tcp", "float32")])
+    try:
+        with decode_connector("tcp", "float32", local_reads=True) as connector:
+            peer_id = connector.add_peer(peer.metadata[0])
+            assert connector.reads_locally(peer_id)
+            connector.pull(peer_id, [1], [1])
+            peer.signal(signal.SIGKILL)
+            peer.proc.wait(timeout=10)
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match="reading the KV blocks"):
+                connector.pull(peer_id, [2, 3], [2, 3])
+            assert time.monotonic() - start < 1.0
+            assert connector.failures_total == 1
+    finally:
+        peer.stop()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
