@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from services.kv_transfer.connector import (
-    DEFAULT_TIMEOUT_S,
     BlockRun,
     KVConnector,
     KVTransferError,
@@ -104,14 +103,8 @@ class NixlConnector(KVConnector):
 
     backend_name = "nixl"
 
-    def __init__(
-        self,
-        kv_cache: torch.Tensor,
-        peer_info: PeerInfo,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        local_reads: bool = True,
-    ) -> None:
-        super().__init__(kv_cache, peer_info, timeout_s=timeout_s, local_reads=local_reads)
+    def __init__(self, kv_cache: torch.Tensor, peer_info: PeerInfo, **options: Any) -> None:
+        super().__init__(kv_cache, peer_info, **options)  # timeout_s, local_reads (KVConnector)
         nixl = import_nixl()
         self.module_name = nixl.__name__
         if not os.environ.get("UCX_TLS"):  # an empty value makes UCX refuse to start
