@@ -164,8 +164,8 @@ class DecodeWorker(WorkerBase):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "beam search runs whole here; send no KV handle")
         if request.HasField("kv_handle"):
             with self.tracing.span("kv_transfer", trace.set_span_in_context(span)) as kv_span:
-                req, admit, transfer = await self._remote_prefill(request, params, context)
-                self._describe_transfer(kv_span, request.kv_handle, transfer)
+                req, admit, transfer, local = await self._remote_prefill(request, params, context)
+                self._describe_transfer(kv_span, request.kv_handle, transfer, local)
             if params.n > 1:
                 matcher = None if params.constraint is None else core.grammar_backend().matcher(params.constraint)
                 admit = resample_first_token(req, admit, core.config.block_size, matcher)
@@ -197,10 +197,10 @@ class DecodeWorker(WorkerBase):
                 pulled = made_req
                 self.engine.submit(lambda: core.kv_connector.free_unjoined(pulled), "free_unjoined")
 
-    def _describe_transfer(self, span: Span, handle: pb.KVHandle, transfer: dict) -> None:
+    def _describe_transfer(self, span: Span, handle: pb.KVHandle, transfer: dict, local: bool) -> None:
         if not span.is_recording():
             return
-        span.set_attributes({
+        span.set_attributes({"cleave.kv.local_read": local,
             "cleave.kv.bytes": transfer.get("kv_transfer_bytes", 0), "cleave.kv.blocks": len(handle.block_ids),
             "cleave.kv.backend": self.connector.backend_name, "cleave.kv.recomputed": transfer.get("kv_recomputed", False),
             "cleave.kv.duration_seconds": transfer.get("kv_transfer_seconds", 0.0),
@@ -210,7 +210,7 @@ class DecodeWorker(WorkerBase):
 
     async def _remote_prefill(self, request: pb.GenerateRequest, params: SamplingParams, context):
         """Make the request and pull the prompt's KV the local prefix cache lacks; returns the request, how to
-        admit it and the figures."""
+        admit it, the figures and whether the blocks were read from the prefill worker's memory (host_memory)."""
         handle = request.kv_handle
         core = self.engine.core
         connector = core.kv_connector
@@ -237,6 +237,7 @@ class DecodeWorker(WorkerBase):
         remote = remote_kv(handle, peer_id="")  # the peer id is known after the handshake
         load: KVLoad | None = None
         pending: Future[LoadResult] | None = None
+        pulled_from: list[str] = []  # the peer of each attempt
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
@@ -249,6 +250,7 @@ class DecodeWorker(WorkerBase):
 
             async def attempt(peer: str) -> LoadResult:
                 nonlocal pending
+                pulled_from.append(peer)
                 pending = self.kv_loader.start_load(replace(planned, remote=replace(remote, peer_id=peer)))
                 return await asyncio.shield(asyncio.wrap_future(pending))
 
@@ -287,7 +289,7 @@ class DecodeWorker(WorkerBase):
                     await self.engine.run(make)
                 except InvalidRequestError as invalid:
                     await self.invalid(context, invalid)
-            return made[0], None, {"kv_recomputed": True}
+            return made[0], None, {"kv_recomputed": True}, False
         self.kv_loader.release_remote(remote)
         assert load is not None
         req = made[0]
@@ -296,7 +298,11 @@ class DecodeWorker(WorkerBase):
         logger.debug("kv_load request_id=%s local_tokens=%d remote_tokens=%d blocks=%d bytes=%d", req.request_id,
                      load.num_local_tokens, load.num_remote_tokens, load.num_blocks, result.num_bytes)  # fmt: skip
         transfer = {"kv_transfer_bytes": result.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
-        return req, (lambda r: connector.finish_load(r, load)), transfer
+        try:
+            local = bool(pulled_from) and self.connector.reads_locally(pulled_from[-1])
+        except KVTransferError:  # the peer was removed since (a prefill worker that left)
+            local = False
+        return req, (lambda r: connector.finish_load(r, load)), transfer, local
 
     def _release(self, remote: RemoteKV) -> None:
         """Event loop: tell the prefill worker its leased blocks may go (in the background; failures logged)."""

@@ -240,6 +240,7 @@ def test_one_trace_spans_router_prefill_kv_transfer_and_decode(workload):
     assert kv.parent_span_id == by_name["decode"].span_id
     assert kv.attributes["cleave.kv.bytes"] > 0 and kv.attributes["cleave.kv.blocks"] > 0
     assert kv.attributes["cleave.kv.backend"] == "tcp" and kv.status_code != 2
+    assert kv.attributes["cleave.kv.local_read"] is True  # the workers share this machine
     assert by_name["prefill"].attributes["cleave.computed_tokens"] > 0
     assert by_name["decode"].attributes["gen_ai.usage.output_tokens"] == 5  # the first token came from prefill
 
