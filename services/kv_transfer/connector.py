@@ -155,8 +155,10 @@ class KVConnector(ABC):
         local_reads: bool = True,
     ) -> None:
         _check_kv_cache(kv_cache, peer_info)
-        # Peers on this machine read our cache, and we theirs, straight from process memory (host_memory).
+        # Peers on this machine read our cache, and we theirs, straight from process memory (host_memory);
+        # None where this cache cannot be read so (not in host memory, no process_vm_readv) or local_reads is off.
         self.local_reads = local_reads
+        self._host_memory = host_memory.describe(kv_cache) if local_reads else None
         self.kv_cache = kv_cache
         self.peer_info = peer_info.with_backend(self.backend_name)
         self.timeout_s = timeout_s
@@ -185,9 +187,8 @@ class KVConnector(ABC):
             "block_bytes": self.block_bytes,
             "backend": self._backend_metadata(),
         }
-        described = host_memory.describe(self.kv_cache) if self.local_reads else None
-        if described is not None:
-            envelope["host_memory"] = described
+        if self._host_memory is not None:
+            envelope["host_memory"] = self._host_memory
         return json.dumps(envelope, separators=(",", ":")).encode("utf-8")
 
     def add_peer(self, metadata: bytes) -> str:
@@ -306,8 +307,8 @@ class KVConnector(ABC):
     def _open_local(self, peer: RemotePeer) -> tuple[host_memory.Region | None, str]:
         if not self.local_reads:
             return None, "local reads off"
-        if self.kv_cache.device.type != "cpu" or not self.kv_cache.is_contiguous():
-            return None, "this cache is not in host memory"
+        if self._host_memory is None:
+            return None, "this cache is not in host memory, or this machine has no process_vm_readv"
         if peer.host_memory is None:
             return None, "the peer's cache is not in host memory, or it reads through the backend only"
         region, why_not = host_memory.open_region(peer.host_memory)

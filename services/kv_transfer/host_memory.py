@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 _IOV_MAX = 1024  # iovecs per call (Linux UIO_MAXIOV)
 
