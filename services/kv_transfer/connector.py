@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,8 @@ class KVConnector(ABC):
         # None where this cache cannot be read so (not in host memory, no process_vm_readv) or local_reads is off.
         self.local_reads = local_reads
         self._host_memory = host_memory.describe(kv_cache) if local_reads else None
+        # Called by close; else on garbage collection, or at exit.
+        self._withdraw_host_memory = weakref.finalize(self, host_memory.withdraw, self._host_memory)
         self.kv_cache = kv_cache
         self.peer_info = peer_info.with_backend(self.backend_name)
         self.timeout_s = timeout_s
@@ -278,7 +281,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Stop serving and release backend resources. Safe to call twice."""
+        """Stop serving (local readers included: see _withdraw_host_memory) and release backend resources.
+        Safe to call twice."""
 
     def __enter__(self) -> KVConnector:
         return self

@@ -247,6 +247,7 @@ class NixlConnector(KVConnector):
             logger.error("nixl_release_failed peer=%s error=%r", peer_id, exc)
 
     def close(self) -> None:
+        self._withdraw_host_memory()
         with self._agent_lock:
             agent, self._agent = self._agent, None
             if agent is None:

@@ -279,6 +279,7 @@ class TcpConnector(KVConnector):
         local_blocks.reshape(-1).view(torch.uint8).copy_(staging)
 
     def close(self) -> None:
+        self._withdraw_host_memory()
         self._server.close()
         with self._lock:
             self._closed = True

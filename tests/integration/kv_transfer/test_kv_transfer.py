@@ -236,11 +236,20 @@ def test_a_peer_on_this_machine_is_read_from_its_memory(prefill_peer, backend, d
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_peer_elsewhere_is_read_through_the_backend(prefill_peer, backend):
-    """A peer whose description names another machine (or that sends none) goes through the backend."""
+    """A peer whose description names another machine, or memory its process did not offer (a forged
+    address or size: its proof file says otherwise), or that sends none, goes through the backend."""
     envelope = json.loads(prefill_peer[(backend, "float32")])
-    assert envelope["host_memory"]["pid"] != os.getpid()
+    described = envelope["host_memory"]
+    assert described["pid"] != os.getpid()
     expected = expected_cache("float32")
-    for host in ({**envelope["host_memory"], "boot_id": "another-machine"}, None):
+    forged = [
+        {**described, "boot_id": "another-machine"},
+        {**described, "address": described["address"] - 4096},
+        {**described, "num_bytes": described["num_bytes"] * 2},
+        {k: v for k, v in described.items() if k != "proof"},
+        None,
+    ]
+    for host in forged:
         changed = (
             {**envelope, "host_memory": host}
             if host is not None

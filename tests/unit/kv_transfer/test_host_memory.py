@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -66,3 +68,78 @@ def test_a_process_that_is_gone_is_not_a_peer():
 
 def test_only_contiguous_host_memory_is_described():
     assert host_memory.describe(torch.zeros(4, 4).t()) is None
+
+
+def test_memory_the_process_did_not_offer_is_declined():
+    """A description is honoured only as its process wrote it down: another address, a larger size, another
+    live process of this user, or a proof path that is not the process's own file are refused."""
+    source, other = torch.zeros(256), torch.zeros(256)
+    described = host_memory.describe(source)
+    assert os.path.isfile(described["proof"])
+    for change in ({"address": other.data_ptr()}, {"num_bytes": 2 * described["num_bytes"]}):
+        region, why_not = host_memory.open_region({**described, **change})
+        assert region is None and "did not offer" in why_not
+    for proof in (None, "relative.json", "/tmp/../etc/hostname", "/nonexistent/cleave-kv.json"):
+        region, why_not = host_memory.open_region({**described, "proof": proof})
+        assert region is None and "proof file" in why_not
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = _poll(lambda: host_memory.start_time(child.pid))
+        region, why_not = host_memory.open_region({**described, "pid": child.pid, "start_time": started})
+        assert region is None and f"not one of process {child.pid}" in why_not
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_proof_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    described = host_memory.describe(torch.zeros(16))
+    fifo = tmp_path / os.path.basename(described["proof"])
+    os.mkfifo(fifo)
+    region, why_not = host_memory.open_region({**described, "proof": str(fifo)})
+    assert region is None and "not a small regular file" in why_not
+
+
+def test_a_withdrawn_cache_is_no_longer_opened():
+    source = torch.zeros(64)
+    described = host_memory.describe(source)
+    assert host_memory.open_region(described)[0] is not None
+    host_memory.withdraw(described)
+    assert not os.path.exists(described["proof"])
+    region, why_not = host_memory.open_region(described)
+    assert region is None and "no proof file" in why_not
+
+
+def test_proofs_of_processes_that_are_gone_are_removed():
+    """A worker killed before it could remove its proof file: the next description on this machine does."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = _poll(lambda: host_memory.start_time(child.pid))
+    child.kill()
+    child.wait()
+    stale = os.path.join(os.path.realpath(tempfile.gettempdir()), f"cleave-kv-{child.pid}-{started}-1000.json")
+    with open(stale, "w") as f:
+        f.write("{}")
+    live = host_memory.describe(torch.zeros(16))
+    assert not os.path.exists(stale)
+    assert os.path.exists(live["proof"])
+
+
+def _poll(get, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while (value := get()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return value
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_proof_of_another_user_is_refused(tmp_path):
+    described = host_memory.describe(torch.zeros(16))
+    copy = tmp_path / os.path.basename(described["proof"])
+    with open(described["proof"]) as src:
+        copy.write_text(src.read())
+    os.chown(copy, 65534, 65534)
+    region, why_not = host_memory.open_region({**described, "proof": str(copy)})
+    assert region is None and "of this user" in why_not
+    os.chown(copy, 0, 0)  # the same bytes as this user's file: accepted
+    assert host_memory.open_region({**described, "proof": str(copy)})[0] is not None
