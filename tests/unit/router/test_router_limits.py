@@ -24,6 +24,10 @@ def test_api_key_accepted_refused_and_absent(router_factory, script):
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     absent = post(router, {"prompt": "Hi", "max_tokens": 2})
     assert absent.status_code == 401 and "Authorization: Bearer" in absent.json()["error"]["message"]
+    assert absent.headers["www-authenticate"] == "Bearer"
+    streamed = post(router, {"prompt": "Hi", "max_tokens": 3, "stream": True}, {"Authorization": "Bearer s3cret"})
+    assert streamed.status_code == 200 and streamed.text.count("data: {") == 3 and streamed.text.endswith("[DONE]\n\n")
+    assert post(router, {"prompt": "Hi", "max_tokens": 3, "stream": True}).status_code == 401
     assert httpx.get(f"{router.url}/v1/models").status_code == 401
     assert httpx.get(f"{router.url}/health").status_code == 200
     assert httpx.get(f"{router.url}/metrics").status_code == 200
