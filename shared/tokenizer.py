@@ -297,13 +297,21 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this have been emitted
         self._skipped_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self._in_byte_run = False
+        # The text of output_ids[prefix_offset:read_offset] for the offsets it was decoded at: the context of
+        # the next window is most often what _advance just decoded (one decode per token saved).
+        self._context: tuple[int, int, str] = (0, 0, "")
+
+    def _context_text(self) -> str:
+        start, end, text = self._context
+        if (start, end) != (self._prefix_offset, self._read_offset):
+            text = self._tokenizer.decode(self.output_ids[self._prefix_offset : self._read_offset],
+                                          self._skip_special_tokens)  # fmt: skip
+            self._context = (self._prefix_offset, self._read_offset, text)
+        return text
 
     def _delta(self) -> str:
-        decode = self._tokenizer.decode
-        window = self.output_ids[self._prefix_offset :]
-        context_len = self._read_offset - self._prefix_offset
-        context_text = decode(window[:context_len], self._skip_special_tokens)
-        window_text = decode(window, self._skip_special_tokens)
+        context_text = self._context_text()
+        window_text = self._tokenizer.decode(self.output_ids[self._prefix_offset :], self._skip_special_tokens)
         return window_text[len(context_text) :] if len(window_text) > len(context_text) else ""
 
     def _advance(self) -> None:
@@ -314,8 +322,10 @@ class IncrementalDetokenizer:
         (e.g. after a skipped special token), so an invisible step keeps the old context.
         """
         new_context = self.output_ids[self._read_offset :]
-        if self._tokenizer.decode(new_context, self._skip_special_tokens):
+        text = self._tokenizer.decode(new_context, self._skip_special_tokens)
+        if text:
             self._prefix_offset = self._read_offset
+            self._context = (self._read_offset, len(self.output_ids), text)
         self._read_offset = len(self.output_ids)
 
     def add(self, token_id: int) -> str:
