@@ -47,7 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=env_default("--dtype", "auto"),
         choices=["auto", "float32", "bfloat16"],
-        help="weights and KV cache dtype",
+        help="weights and KV cache dtype; auto: bfloat16 on CUDA; on CPU float32 (its native kernels), "
+        "but bfloat16 for a bfloat16 checkpoint over 1B parameters",
     )
     g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")

@@ -54,6 +54,13 @@ class ModelConfig:
         """K and V elements per token across all layers (multiply by dtype size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Weights of the decoder (norms and biases aside, a fraction of a percent)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+
     def geometry_key(self) -> str:
         """Stable description of the KV geometry (feeds the compatibility hash)."""
         return (

@@ -178,6 +178,40 @@ def test_stop_token_id_ends_output_and_is_not_in_text(checkpoint_factory):
     assert out.text == llm.tokenizer.decode(full.token_ids[:first])
 
 
+def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoint_factory):
+    """The CPU's native kernels are float32: ``auto`` runs a bfloat16 checkpoint there in float32 (twice the
+    speed), and greedy tokens then agree with transformers on the same checkpoint computed in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = checkpoint_factory("llama", dtype="bfloat16")
+    llm = small_llm(model_dir, dtype="auto")
+    assert llm.engine.dtype_name == "float32" and llm.engine.runner.kv_cache.dtype == torch.float32
+    prompt = make_prompts(llm.engine.model_config.vocab_size, set(), count=1, seed=3)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "checkpoint_dtype, num_parameters, device, expected",
+    [
+        ("bfloat16", 15_000_000, "cpu", "float32"),
+        ("bfloat16", 600_000_000, "cpu", "float32"),
+        ("bfloat16", 1_235_000_000, "cpu", "bfloat16"),  # half the memory matters more there
+        ("float16", 8_000_000_000, "cpu", "float32"),
+        ("float32", 15_000_000, "cpu", "float32"),
+        ("float32", 15_000_000, "cuda", "bfloat16"),
+    ],
+)
+def test_auto_dtype(checkpoint_dtype, num_parameters, device, expected):
+    from shared.engine.engine_core import _resolve_dtype
+
+    assert _resolve_dtype("auto", checkpoint_dtype, torch.device(device), num_parameters) == expected
+    assert _resolve_dtype("bfloat16", checkpoint_dtype, torch.device(device), num_parameters) == "bfloat16"
+
+
 def test_bfloat16_engine_serves_and_agrees_with_hf_on_the_first_token(checkpoint_factory):
     from transformers import AutoModelForCausalLM
 
