@@ -19,6 +19,7 @@ from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.cpu_threads import CoreShare, ThreadGovernor
+from shared.kernels import cpu_kernels
 from shared.engine.cpu_threads import enabled as thread_governor_enabled
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnectorScheduler
@@ -113,6 +114,10 @@ class EngineCore:
                         config.dtype)  # fmt: skip
         dtype = torch_dtype(self.dtype_name)
         self.model, self.model_config = load_model(config.model, self.dtype_name, self.device)
+        if self.device.type == "cpu" and checkpoint.torch_dtype == "bfloat16" and self.dtype_name == "float32":
+            # Its projections may run on AMX, which rounds their inputs to bfloat16 as the checkpoint's own
+            # dtype would (cpu_kernels.amx_weight); the rest stays float32.
+            cpu_kernels.mark_bfloat16_values(self.model.projection_weights())
         self.num_blocks = self._num_blocks(dtype)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         window = self.model_config.sliding_window

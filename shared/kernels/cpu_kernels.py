@@ -156,6 +156,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.linear_f32_pack.restype = None
         lib.linear_f32_packed.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32_packed.restype = None
+    if hasattr(lib, "linear_amx"):  # bfloat16-valued weights on AMX (csrc/amx.c)
+        lib.linear_amx_available.argtypes = []
+        lib.linear_amx_available.restype = ctypes.c_int
+        lib.linear_amx_packed_elems.argtypes = [i32, i32]
+        lib.linear_amx_packed_elems.restype = i64
+        lib.linear_amx_pack.argtypes = [ptr, i32, i32, ptr]
+        lib.linear_amx_pack.restype = None
+        lib.linear_amx.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
+        lib.linear_amx.restype = ctypes.c_int
     if hasattr(lib, "pool_set_threads"):
         lib.pool_set_threads.argtypes = [i32]
         lib.pool_set_threads.restype = None
@@ -434,6 +443,51 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+BF16_ATTR = "_cleave_bf16_values"  # on a float32 weight: its values are bfloat16 ones (mark_bfloat16_values)
+AMX_ATTR = "_cleave_amx"  # on such a weight: (data_ptr, version, its AMX copy)
+_amx: bool | None = None
+
+
+def amx() -> bool:
+    """Whether projections of bfloat16-valued weights run on AMX (``csrc/amx.c``): built with it, granted by
+    the kernel, and not turned off with ``CLEAVE_CPU_AMX=0``. Checked once per process."""
+    global _amx
+    if _amx is None:
+        lib = load()
+        _amx = (
+            lib is not None
+            and os.environ.get("CLEAVE_CPU_AMX", "1") != "0"
+            and hasattr(lib, "linear_amx")
+            and lib.linear_amx_available() == 1
+        )
+    return _amx
+
+
+def mark_bfloat16_values(weights: list[torch.Tensor]) -> None:
+    """Say that these float32 weights hold bfloat16 values (a bfloat16 checkpoint loaded in float32): their
+    projections may then run on AMX, which rounds the activations to bfloat16 as a bfloat16 model does."""
+    for weight in weights:
+        setattr(weight, BF16_ATTR, True)
+
+
+def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The AMX copy of a bfloat16-valued float32 CPU ``weight`` [N, K] (half its bytes), made on first use
+    and kept on the tensor (made again once it is written in place); None where AMX does not apply."""
+    if not getattr(weight, BF16_ATTR, False) or not amx():
+        return None
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, AMX_ATTR, None)
+    if cached is not None and cached[:2] == key:
+        return cached[2]
+    lib = load()
+    assert lib is not None
+    n, k = weight.shape
+    packed = torch.empty(lib.linear_amx_packed_elems(n, k), dtype=torch.int16)  # 64-byte aligned, as tiles load
+    lib.linear_amx_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    setattr(weight, AMX_ATTR, (*key, packed))
+    return packed
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight.T`` for float32 CPU ``x`` [..., K] and ``weight`` [N, K] on the native kernel, whose
     result for a row does not depend on the other rows; None where it does not apply."""
@@ -447,6 +501,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
     lib = load()
     assert lib is not None
+    tiles = amx_weight(weight)
+    if tiles is not None and lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(),
+                                            weight.shape[0], rows.shape[0], weight.shape[0], weight.shape[1]) == 0:
+        return out  # fmt: skip
     packed = packed_weight(weight)
     product, w = (lib.linear_f32, weight) if packed is None else (lib.linear_f32_packed, packed)
     product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), weight.shape[0], rows.shape[0],

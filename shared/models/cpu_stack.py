@@ -35,7 +35,8 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # what the native attention ke
 class _LayerWeights(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight",
                                                       "input_norm", "post_norm", "qkv_packed", "o_packed",
-                                                      "gate_up_packed", "down_packed")] + [
+                                                      "gate_up_packed", "down_packed", "qkv_amx", "o_amx",
+                                                      "gate_up_amx", "down_amx")] + [
         ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float)]  # fmt: skip
 
 
@@ -145,12 +146,19 @@ class CpuStack:
         size = len(groups[0]) if groups else 0
 
         def packed(module) -> int | None:  # the projection's packed copy, where the native kernel reads one
-            copy = cpu_kernels.packed_weight(module.weight) if self.sgemm is None else None
+            if self.sgemm is not None or cpu_kernels.amx_weight(module.weight) is not None:
+                return None  # torch's BLAS, or AMX
+            copy = cpu_kernels.packed_weight(module.weight)
+            return None if copy is None else copy.data_ptr()
+
+        def amx(module) -> int | None:  # its AMX copy, where the weight holds bfloat16 values
+            copy = cpu_kernels.amx_weight(module.weight) if self.sgemm is None else None
             return None if copy is None else copy.data_ptr()
 
         self.layer_weights = (_LayerWeights * len(layers))(*[
             _LayerWeights(*[ptr for ptr, _ in self.weight_ptrs[i * size : (i + 1) * size]],
                           *[packed(module) for module in group[:PROJECTIONS]],
+                          *[amx(module) for module in group[:PROJECTIONS]],
                           la.input_layernorm.eps, la.post_attention_layernorm.eps)
             for i, (la, group) in enumerate(zip(layers, groups, strict=True))
         ])  # fmt: skip

@@ -299,6 +299,12 @@ class LlamaModel(nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
+    def projection_weights(self) -> list[torch.Tensor]:
+        """Every matrix a token's hidden state is multiplied by: the layers' four projections and the LM head."""
+        weights = [m.weight for la in self.decoder_layers()
+                   for m in (la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj)]  # fmt: skip
+        return [*weights, self.output_weight]
+
     @property
     def output_weight(self) -> torch.Tensor:
         """The LM head's weight [vocab, hidden]: the embedding's where the checkpoint ties them."""

@@ -40,6 +40,8 @@ typedef struct {
     const float *qkv_weight, *o_weight, *gate_up_weight, *down_weight, *input_norm, *post_norm;
     /* The projections' packed copies (gemm.c's linear_f32_pack), each NULL where there is none. */
     const float *qkv_packed, *o_packed, *gate_up_packed, *down_packed;
+    /* Their AMX copies (amx.c's linear_amx_pack, for bfloat16-valued weights), each NULL where there is none. */
+    const uint16_t *qkv_amx, *o_amx, *gate_up_amx, *down_amx;
     float input_eps, post_eps;
 } LayerWeights;
 
@@ -62,12 +64,14 @@ typedef struct {
 
 void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n, int k);
 void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k);
+int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k);
 
 /* y[M, N] = x[M, K] . w[N, K]^T: on gemm.c's kernel where no BLAS is given (from w's packed copy where
  * there is one, as the model's Python path then does), else called as torch's CPU linear calls BLAS
- * (column-major, w transposed). */
-static void linear(sgemm_fn sgemm, const float *x, const float *w, const float *packed, float *y, int m, int n,
-                   int k) {
+ * (column-major, w transposed); on AMX where the weight has an AMX copy. */
+static void linear(sgemm_fn sgemm, const float *x, const float *w, const float *packed, const uint16_t *amx,
+                   float *y, int m, int n, int k) {
+    if (amx != NULL && linear_amx(x, k, amx, y, n, m, n, k) == 0) return; /* as the Python path does */
     if (sgemm == NULL) {
         if (packed != NULL)
             linear_f32_packed(x, k, packed, y, n, m, n, k);
@@ -98,7 +102,7 @@ int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
             rms_norm_f32(a->residual, h, w->input_norm, normed, h, t, h, w->input_eps);
         else
             add_rms_norm_f32(mlp_out, h, a->residual, h, w->input_norm, normed, h, t, h, w->input_eps);
-        linear(a->sgemm, normed, w->qkv_weight, w->qkv_packed, qkv, t, qkv_dim, h);
+        linear(a->sgemm, normed, w->qkv_weight, w->qkv_packed, w->qkv_amx, qkv, t, qkv_dim, h);
         rope_f32(qkv, qkv_dim, t, a->num_heads + a->num_kv_heads, a->head_dim, a->cos, a->sin);
         float *k_cache = a->kv_cache + (int64_t)l * a->layer_stride, *v_cache = k_cache + a->value_offset;
         write_kv_f32(qkv + a->q_size, qkv + a->q_size + a->kv_size, qkv_dim, qkv_dim, k_cache, v_cache,
@@ -113,11 +117,11 @@ int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
                                     a->bt_stride, a->query_start_loc, a->seq_lens, a->num_seqs, a->num_heads,
                                     a->num_kv_heads, a->head_dim, a->block_size, a->scale);
         if (status != 0) return status;
-        linear(a->sgemm, attn, w->o_weight, w->o_packed, o, t, h, a->q_size);
+        linear(a->sgemm, attn, w->o_weight, w->o_packed, w->o_amx, o, t, h, a->q_size);
         add_rms_norm_f32(o, h, a->residual, h, w->post_norm, normed, h, t, h, w->post_eps);
-        linear(a->sgemm, normed, w->gate_up_weight, w->gate_up_packed, gate_up, t, 2 * inter, h);
+        linear(a->sgemm, normed, w->gate_up_weight, w->gate_up_packed, w->gate_up_amx, gate_up, t, 2 * inter, h);
         silu_mul_f32(gate_up, 2 * inter, act, t, inter);
-        linear(a->sgemm, act, w->down_weight, w->down_packed, mlp_out, t, h, inter);
+        linear(a->sgemm, act, w->down_weight, w->down_packed, w->down_amx, mlp_out, t, h, inter);
     }
     if (a->num_layers == 0)
         rms_norm_f32(a->residual, h, a->final_norm, a->out, h, t, h, a->final_eps);

@@ -178,20 +178,37 @@ def test_stop_token_id_ends_output_and_is_not_in_text(checkpoint_factory):
     assert out.text == llm.tokenizer.decode(full.token_ids[:first])
 
 
-def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoint_factory):
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoint_factory, monkeypatch, amx):
     """The CPU's native kernels are float32: ``auto`` runs a bfloat16 checkpoint there in float32 (twice the
-    speed), and greedy tokens then agree with transformers on the same checkpoint computed in float32."""
+    speed), its projections on AMX where the CPU has it (their inputs rounded to bfloat16, as the
+    checkpoint's dtype would). Without AMX greedy tokens equal transformers' on the checkpoint in float32;
+    with it, transformers' first token in bfloat16 is among ours' top 5, and ours among its."""
     from transformers import AutoModelForCausalLM
 
+    from shared.kernels import cpu_kernels
+
+    if amx and not cpu_kernels.amx():
+        pytest.skip("no AMX on this CPU")
+    monkeypatch.setattr(cpu_kernels, "_amx", amx and cpu_kernels.amx())
     model_dir = checkpoint_factory("llama", dtype="bfloat16")
     llm = small_llm(model_dir, dtype="auto")
     assert llm.engine.dtype_name == "float32" and llm.engine.runner.kv_cache.dtype == torch.float32
-    prompt = make_prompts(llm.engine.model_config.vocab_size, set(), count=1, seed=3)[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+    head = llm.engine.model.output_weight
+    assert (cpu_kernels.amx_weight(head) is not None) == amx
+    prompts = make_prompts(llm.engine.model_config.vocab_size, set(), count=3, seed=3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5))
+    reference_dtype = torch.bfloat16 if amx else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=reference_dtype).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            if amx:
+                logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+                assert int(logits.argmax()) in out.outputs[0].logprobs[0]
+                assert out.outputs[0].token_ids[0] in logits.topk(5).indices.tolist()
+            else:
+                expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+                assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,22 @@ def test_stack_matches_the_module_forward_exactly(checkpoint_factory, arch, size
     assert torch.equal(fast_cache, slow_cache)
 
 
+@pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX on this CPU")
+def test_stack_matches_the_module_forward_on_amx(checkpoint_factory):
+    """A bfloat16 checkpoint in float32 with its projections on AMX: the one call and the modules agree too."""
+    model_dir = checkpoint_factory("llama", dtype="bfloat16")
+    fast_model, _ = load_model(model_dir, dtype="float32")
+    slow_model, _ = load_model(model_dir, dtype="float32")
+    for model in (fast_model, slow_model):
+        cpu_kernels.mark_bfloat16_values(model.projection_weights())
+    assert fast_model.cpu_stack(TorchAttentionBackend()) is not None
+    fast, fast_cache = _run(fast_model, "native")
+    slow, slow_cache = _run(slow_model, "modules")
+    assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
+    assert torch.equal(fast_cache, slow_cache)
+    assert cpu_kernels.amx_weight(fast_model.decoder_layers()[0].mlp.down_proj.weight) is not None
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_stack_declines_what_the_fused_path_does_not_do(checkpoint_factory, arch):
     """q/k/v biases (Qwen2) and per-head q/k norms (Qwen3) keep the module path."""

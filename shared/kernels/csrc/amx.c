@@ -1,0 +1,171 @@
+/*
+ * A linear layer's product y[M, N] = x[M, K] . w[N, K]^T on AMX, for weights that are bfloat16 values
+ * (a bfloat16 checkpoint computed in float32): x's rows are rounded to bfloat16 (as a bfloat16 model's
+ * activations are), the products are summed in float32 by the tile unit, and y is float32.
+ *
+ * The weights are packed once (linear_amx_pack): per 16 output columns and 32 values of k, one B tile of
+ * 16 rows x 64 bytes, row r holding the pairs (w[n][k0 + 2r], w[n][k0 + 2r + 1]) of its 16 columns (the
+ * tile unit's pairwise layout); N and K are padded with zeros to multiples of 32. Per call, x is rounded
+ * into a bfloat16 copy padded likewise (zero rows past M, zero columns past K), and threads split the
+ * column pairs: per 16 rows of x, two C tiles of 16 x 16 sums, each k step one A tile and two B tiles.
+ *
+ * Every output is the same sequence of tile products whatever M or the thread, so a row's result does
+ * not depend on the rows around it.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_K 32 /* bfloat16 values of k per tile row: 64 bytes */
+#define TILE_N 16
+
+static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+/* 1 where the kernel runs: built with AMX, and the kernel grants this process the tile state (Linux
+ * asks each process to request it before its first tile instruction). */
+int linear_amx_available(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+/* uint16 elements of the packed copy of a [n, k] weight. */
+int64_t linear_amx_packed_elems(int n, int k) { return round_up(n, 2 * TILE_N) * round_up(k, TILE_K); }
+
+static uint16_t to_bf16(float f) { /* round to nearest even; the kernel never sees NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof(bits));
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+void linear_amx_pack(const float *w, int n, int k, uint16_t *packed) {
+    const int64_t kp = round_up(k, TILE_K), tiles_k = kp / TILE_K, np = round_up(n, 2 * TILE_N);
+    for (int64_t nt = 0; nt < np / TILE_N; nt++)
+        for (int64_t kt = 0; kt < tiles_k; kt++) {
+            uint16_t *tile = packed + (nt * tiles_k + kt) * (TILE_K * TILE_N);
+            for (int r = 0; r < TILE_K / 2; r++)
+                for (int c = 0; c < TILE_N; c++)
+                    for (int p = 0; p < 2; p++) {
+                        const int64_t col = nt * TILE_N + c, kk = kt * TILE_K + 2 * r + p;
+                        tile[(r * TILE_N + c) * 2 + p] = col < n && kk < k ? to_bf16(w[col * k + kk]) : 0;
+                    }
+        }
+}
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void load_tile_config(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 5; t++) { /* 0, 1: sums (16 x 16 float); 2: x; 3, 4: weights */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+typedef struct {
+    const uint16_t *xb, *packed;
+    float *y;
+    int64_t ldy, kp;
+    int m, n;
+} AmxArgs;
+
+/* Column pairs [p0, p1): 32 columns each, every 16 rows of x. */
+static void amx_pairs(void *p, int64_t p0, int64_t p1) {
+    const AmxArgs *a = p;
+    const int64_t tiles_k = a->kp / TILE_K, tile_elems = TILE_K * TILE_N, x_stride = a->kp * 2;
+    float sums[2][16][16];
+    load_tile_config();
+    for (int64_t pair = p0; pair < p1; pair++) {
+        const uint16_t *b0 = a->packed + (2 * pair) * tiles_k * tile_elems, *b1 = b0 + tiles_k * tile_elems;
+        const int n0 = (int)(pair * 2 * TILE_N);
+        for (int m0 = 0; m0 < a->m; m0 += 16) {
+            const uint16_t *xr = a->xb + (int64_t)m0 * a->kp;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kt = 0; kt < tiles_k; kt++) {
+                _tile_loadd(2, xr + kt * TILE_K, x_stride);
+                _tile_loadd(3, b0 + kt * tile_elems, 64);
+                _tile_loadd(4, b1 + kt * tile_elems, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            const int rows = a->m - m0 < 16 ? a->m - m0 : 16;
+            for (int h = 0; h < 2; h++) {
+                const int c0 = n0 + h * TILE_N, cols = a->n - c0 < TILE_N ? a->n - c0 : TILE_N;
+                if (cols <= 0) continue;
+                for (int r = 0; r < rows; r++)
+                    memcpy(a->y + (int64_t)(m0 + r) * a->ldy + c0, sums[h][r], sizeof(float) * (size_t)cols);
+            }
+        }
+    }
+    _tile_release();
+}
+
+static __thread uint16_t *x_copy;
+static __thread int64_t x_copy_elems;
+
+/* y (row stride ldy) = x (row stride ldx) . w^T from w's packed copy; 0, or -1 where x's bfloat16 copy
+ * could not be allocated (y untouched). */
+int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k) {
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t kp = round_up(k, TILE_K), mp = round_up(m, 16), need = mp * kp;
+    if (need > x_copy_elems) {
+        uint16_t *grown = aligned_alloc(64, (size_t)round_up(need * 2, 64));
+        if (grown == NULL) return -1;
+        free(x_copy);
+        x_copy = grown, x_copy_elems = need;
+    }
+    for (int64_t r = 0; r < mp; r++) {
+        uint16_t *row = x_copy + r * kp;
+        int64_t kk = 0;
+        if (r < m) {
+            const float *xr = x + r * ldx;
+            for (; kk + 32 <= k; kk += 32) {
+                const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + kk + 16), _mm512_loadu_ps(xr + kk));
+                _mm512_storeu_si512((void *)(row + kk), (__m512i)v);
+            }
+            for (; kk < k; kk++) row[kk] = to_bf16(xr[kk]);
+        }
+        memset(row + kk, 0, sizeof(uint16_t) * (size_t)(kp - kk));
+    }
+    AmxArgs a = {x_copy, packed, y, ldy, kp, m, n};
+    const int64_t pairs = round_up(n, 2 * TILE_N) / (2 * TILE_N);
+    if ((int64_t)m * n * k < 262144)
+        amx_pairs(&a, 0, pairs);
+    else
+        pool_for(pairs, 1, amx_pairs, &a);
+    return 0;
+}
+
+#else /* no AMX in this build: callers keep the float32 kernels */
+
+int linear_amx_available(void) { return 0; }
+int64_t linear_amx_packed_elems(int n, int k) {
+    (void)n, (void)k;
+    return 0;
+}
+void linear_amx_pack(const float *w, int n, int k, uint16_t *packed) { (void)w, (void)n, (void)k, (void)packed; }
+int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k) {
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
+    return -1;
+}
+
+#endif

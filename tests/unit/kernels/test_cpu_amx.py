@@ -1,0 +1,62 @@
+"""Projections of bfloat16-valued weights on AMX (``csrc/amx.c`` through ``cpu_kernels.linear``): the product
+of the bfloat16-rounded activations and the weights summed in float32, and a row's result independent of the
+rows computed with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX on this CPU (or not granted by the kernel)")
+
+# (rows, out features, in features): the model's shapes and odd ones (partial tiles, a k tail, one column)
+SHAPES = [(1, 640, 384), (3, 384, 384), (16, 2048, 384), (17, 384, 1024), (40, 7168, 384), (33, 100, 37),
+          (2, 5, 3), (1, 1, 70), (300, 96, 2048)]  # fmt: skip
+
+
+def bfloat16_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    w = torch.randn(n, k, generator=gen).bfloat16().float()
+    cpu_kernels.mark_bfloat16_values([w])
+    return w
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_matches_the_bfloat16_rounded_product(m, n, k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=gen), bfloat16_weight(n, k, gen)
+    out = cpu_kernels.linear(x, w)
+    assert cpu_kernels.amx_weight(w) is not None
+    assert out is not None and out.shape == (m, n) and out.dtype == torch.float32
+    expected = x.bfloat16().double() @ w.double().T
+    assert (out.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    # and not the float32 product: the activations were rounded
+    assert not torch.equal(out, x @ w.T) or k < 8
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_a_rows_result_does_not_depend_on_the_batch(m, n, k):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=gen), bfloat16_weight(n, k, gen)
+    whole = cpu_kernels.linear(x, w)
+    assert whole is not None
+    for i in {0, m // 2, m - 1}:
+        assert torch.equal(cpu_kernels.linear(x[i : i + 1], w), whole[i : i + 1])
+
+
+def test_unmarked_weights_keep_the_float32_product():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 64, generator=gen), torch.randn(32, 64, generator=gen).bfloat16().float()
+    assert cpu_kernels.amx_weight(w) is None
+    out = cpu_kernels.linear(x, w)
+    assert out is not None and (out.double() - x.double() @ w.double().T).abs().max().item() < 1e-4
+
+
+def test_a_weight_written_in_place_is_packed_again():
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 64, generator=gen), bfloat16_weight(48, 64, gen)
+    first = cpu_kernels.linear(x, w)
+    w.mul_(2)  # exact in bfloat16
+    again = cpu_kernels.linear(x, w)
+    assert torch.equal(again, first * 2)
