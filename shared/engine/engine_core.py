@@ -19,7 +19,6 @@ from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS, EngineConfig
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.cpu_threads import CoreShare, ThreadGovernor
-from shared.kernels import cpu_kernels
 from shared.engine.cpu_threads import enabled as thread_governor_enabled
 from shared.engine.kv_cache_manager import KVCacheManager
 from shared.engine.kv_connector import KVConnectorScheduler
@@ -29,7 +28,7 @@ from shared.engine.prompt_logprobs import record as record_prompt_logprobs
 from shared.engine.request import Request, RequestStatus, TokenSample
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
 from shared.engine.scheduler import Scheduler, SchedulerConfig
-from shared.kernels import get_attention_backend
+from shared.kernels import cpu_kernels, get_attention_backend
 from shared.models.loader import load_model
 from shared.structured.constraint import Constraint
 
