@@ -502,9 +502,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     lib = load()
     assert lib is not None
     tiles = amx_weight(weight)
-    if tiles is not None and lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(),
-                                            weight.shape[0], rows.shape[0], weight.shape[0], weight.shape[1]) == 0:
-        return out  # fmt: skip
+    if tiles is not None:
+        status = lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(), weight.shape[0],
+                                rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
+        if status == 0:
+            return out
     packed = packed_weight(weight)
     product, w = (lib.linear_f32, weight) if packed is None else (lib.linear_f32_packed, packed)
     product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), weight.shape[0], rows.shape[0],
