@@ -7,7 +7,8 @@
  * 16 rows x 64 bytes, row r holding the pairs (w[n][k0 + 2r], w[n][k0 + 2r + 1]) of its 16 columns (the
  * tile unit's pairwise layout); N and K are padded with zeros to multiples of 32. Per call, x is rounded
  * into a bfloat16 copy padded likewise (zero rows past M, zero columns past K), and threads split the
- * column pairs: per 16 rows of x, two C tiles of 16 x 16 sums, each k step one A tile and two B tiles.
+ * column pairs: per 32 rows of x, four C tiles of 16 x 16 sums, each k step two A tiles and two B tiles
+ * (per 16 rows for the last ones).
  *
  * Every output is the same sequence of tile products whatever M or the thread, so a row's result does
  * not depend on the rows around it.
@@ -71,7 +72,7 @@ static void load_tile_config(void) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < 5; t++) { /* 0, 1: sums (16 x 16 float); 2: x; 3, 4: weights */
+    for (int t = 0; t < 8; t++) { /* 0-3: sums (16 x 16 float); 4, 5: x; 6, 7: weights */
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -85,35 +86,64 @@ typedef struct {
     int m, n;
 } AmxArgs;
 
-/* Column pairs [p0, p1): 32 columns each, every 16 rows of x. */
+static void store_sums(const AmxArgs *a, float (*sums)[16][16], int m0, int n0, int tiles) {
+    const int rows = a->m - m0 < 16 ? a->m - m0 : 16;
+    for (int h = 0; h < tiles; h++) {
+        const int c0 = n0 + h * TILE_N, cols = a->n - c0 < TILE_N ? a->n - c0 : TILE_N;
+        if (cols <= 0) continue;
+        for (int r = 0; r < rows; r++)
+            memcpy(a->y + (int64_t)(m0 + r) * a->ldy + c0, sums[h][r], sizeof(float) * (size_t)cols);
+    }
+}
+
+/* Column pairs [p0, p1): 32 columns each, every row of x: 32 rows at a time (four C tiles: each weight
+ * tile loaded serves two row tiles), then the last 16 rows if any (two C tiles). */
 static void amx_pairs(void *p, int64_t p0, int64_t p1) {
     const AmxArgs *a = p;
     const int64_t tiles_k = a->kp / TILE_K, tile_elems = TILE_K * TILE_N, x_stride = a->kp * 2;
-    float sums[2][16][16];
+    float sums[4][16][16];
     load_tile_config();
     for (int64_t pair = p0; pair < p1; pair++) {
         const uint16_t *b0 = a->packed + (2 * pair) * tiles_k * tile_elems, *b1 = b0 + tiles_k * tile_elems;
         const int n0 = (int)(pair * 2 * TILE_N);
-        for (int m0 = 0; m0 < a->m; m0 += 16) {
-            const uint16_t *xr = a->xb + (int64_t)m0 * a->kp;
+        int m0 = 0;
+        for (; m0 + 16 < a->m; m0 += 32) { /* two row tiles (the second may be partly padding) */
+            const uint16_t *x0 = a->xb + (int64_t)m0 * a->kp, *x1 = x0 + 16 * a->kp;
             _tile_zero(0);
             _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
             for (int64_t kt = 0; kt < tiles_k; kt++) {
-                _tile_loadd(2, xr + kt * TILE_K, x_stride);
-                _tile_loadd(3, b0 + kt * tile_elems, 64);
-                _tile_loadd(4, b1 + kt * tile_elems, 64);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
+                _tile_loadd(4, x0 + kt * TILE_K, x_stride);
+                _tile_loadd(5, x1 + kt * TILE_K, x_stride);
+                _tile_loadd(6, b0 + kt * tile_elems, 64);
+                _tile_loadd(7, b1 + kt * tile_elems, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
             }
             _tile_stored(0, sums[0], 64);
             _tile_stored(1, sums[1], 64);
-            const int rows = a->m - m0 < 16 ? a->m - m0 : 16;
-            for (int h = 0; h < 2; h++) {
-                const int c0 = n0 + h * TILE_N, cols = a->n - c0 < TILE_N ? a->n - c0 : TILE_N;
-                if (cols <= 0) continue;
-                for (int r = 0; r < rows; r++)
-                    memcpy(a->y + (int64_t)(m0 + r) * a->ldy + c0, sums[h][r], sizeof(float) * (size_t)cols);
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+            store_sums(a, sums, m0, n0, 2);
+            store_sums(a, sums + 2, m0 + 16, n0, 2);
+        }
+        if (m0 < a->m) { /* the last 1-16 rows */
+            const uint16_t *x0 = a->xb + (int64_t)m0 * a->kp;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t kt = 0; kt < tiles_k; kt++) {
+                _tile_loadd(4, x0 + kt * TILE_K, x_stride);
+                _tile_loadd(6, b0 + kt * tile_elems, 64);
+                _tile_loadd(7, b1 + kt * tile_elems, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
             }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            store_sums(a, sums, m0, n0, 2);
         }
     }
     _tile_release();
@@ -126,7 +156,7 @@ static __thread int64_t x_copy_elems;
  * could not be allocated (y untouched). */
 int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k) {
     if (m <= 0 || n <= 0) return 0;
-    const int64_t kp = round_up(k, TILE_K), mp = round_up(m, 16), need = mp * kp;
+    const int64_t kp = round_up(k, TILE_K), mp = round_up(m, 32), need = mp * kp;
     if (need > x_copy_elems) {
         uint16_t *grown = aligned_alloc(64, (size_t)round_up(need * 2, 64));
         if (grown == NULL) return -1;
