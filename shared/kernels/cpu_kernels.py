@@ -159,12 +159,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "linear_amx"):  # bfloat16-valued weights on AMX (csrc/amx.c)
         lib.linear_amx_available.argtypes = []
         lib.linear_amx_available.restype = ctypes.c_int
+        lib.linear_amx.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
+        lib.linear_amx.restype = ctypes.c_int
+    if hasattr(lib, "linear_amx_pack"):  # built with AMX
         lib.linear_amx_packed_elems.argtypes = [i32, i32]
         lib.linear_amx_packed_elems.restype = i64
         lib.linear_amx_pack.argtypes = [ptr, i32, i32, ptr]
         lib.linear_amx_pack.restype = None
-        lib.linear_amx.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
-        lib.linear_amx.restype = ctypes.c_int
     if hasattr(lib, "pool_set_threads"):
         lib.pool_set_threads.argtypes = [i32]
         lib.pool_set_threads.restype = None
@@ -356,14 +357,20 @@ def native_linear() -> bool:
     instead of torch's BLAS; ``CLEAVE_CPU_GEMM=blas`` keeps the BLAS. Checked once per process."""
     global _native_linear
     if _native_linear is None:
-        lib = load()
-        _native_linear = (
-            lib is not None
-            and os.environ.get("CLEAVE_CPU_GEMM", "native") != "blas"
-            and hasattr(lib, "linear_f32")
-            and lib.linear_f32_available() == 1
-        )
+        _native_linear = _kernel_runs("linear_f32", "CLEAVE_CPU_GEMM", "blas")
     return _native_linear
+
+
+def _kernel_runs(name: str, switch: str, off: str) -> bool:
+    """The library has kernel ``name``, its ``name_available()`` says it runs here, and ``$switch`` is not
+    ``off``."""
+    lib = load()
+    return (
+        lib is not None
+        and os.environ.get(switch, "") != off
+        and hasattr(lib, name)
+        and getattr(lib, f"{name}_available")() == 1
+    )
 
 
 _native_linear: bool | None = None
@@ -453,13 +460,7 @@ def amx() -> bool:
     the kernel, and not turned off with ``CLEAVE_CPU_AMX=0``. Checked once per process."""
     global _amx
     if _amx is None:
-        lib = load()
-        _amx = (
-            lib is not None
-            and os.environ.get("CLEAVE_CPU_AMX", "1") != "0"
-            and hasattr(lib, "linear_amx")
-            and lib.linear_amx_available() == 1
-        )
+        _amx = _kernel_runs("linear_amx", "CLEAVE_CPU_AMX", "0")
     return _amx
 
 

@@ -185,14 +185,9 @@ int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, in
     return 0;
 }
 
-#else /* no AMX in this build: callers keep the float32 kernels */
+#else /* no AMX in this build (nothing is ever packed for it): callers keep the float32 kernels */
 
 int linear_amx_available(void) { return 0; }
-int64_t linear_amx_packed_elems(int n, int k) {
-    (void)n, (void)k;
-    return 0;
-}
-void linear_amx_pack(const float *w, int n, int k, uint16_t *packed) { (void)w, (void)n, (void)k, (void)packed; }
 int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k) {
     (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
     return -1;
