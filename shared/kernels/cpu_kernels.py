@@ -414,7 +414,6 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     kernel (AVX2 builds), ``CLEAVE_PACKED_WEIGHTS=0``, or where the process's copies would then take more
     than ``PACK_MEMORY_SHARE`` of the memory they could take: ``linear`` then reads the weight as it is.
     Costs one more copy of the weight."""
-    global _packed_bytes, _refusals_logged
     key = (weight.data_ptr(), weight._version)
     cached = getattr(weight, PACKED_ATTR, None)  # first: every projection of every step asks
     if cached is not None and (cached[:2] == key or cached[2] is None):
@@ -427,7 +426,18 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if floats <= 0:  # no packed kernel in this build: asked once per weight
         setattr(weight, PACKED_ATTR, (*key, None))
         return None
-    nbytes = floats * 4
+    packed = _weight_copy(floats, torch.float32, tuple(weight.shape))
+    if packed is not None:
+        lib.linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    setattr(weight, PACKED_ATTR, (*key, packed))
+    return packed
+
+
+def _weight_copy(count: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """An empty tensor for a kernel's copy of a weight, counted against ``PACK_MEMORY_SHARE`` until it is
+    freed; None (logged once) where it does not fit."""
+    global _packed_bytes, _refusals_logged
+    nbytes = count * torch.tensor([], dtype=dtype).element_size()
     available = available_memory_bytes()
     with _packed_lock:
         held = _packed_bytes
@@ -438,16 +448,13 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
         if not _refusals_logged:
             _refusals_logged = True
             logger.warning("packed_weights_refused shape=%s bytes=%d available=%d packed=%d: this weight and any "
-                           "other that does not fit keep the unpacked projection", tuple(weight.shape), nbytes,
-                           available, held)  # fmt: skip
-        setattr(weight, PACKED_ATTR, (*key, None))
+                           "other that does not fit keep the unpacked projection", shape, nbytes, available,
+                           held)  # fmt: skip
         return None
-    packed = torch.empty(floats, dtype=torch.float32)  # CPU tensors start 64-byte aligned, as the kernel loads
-    weakref.finalize(packed, _packed_copy_freed, nbytes)
-    assert packed.data_ptr() % 64 == 0
-    lib.linear_f32_pack(weight.data_ptr(), n, k, packed.data_ptr())
-    setattr(weight, PACKED_ATTR, (*key, packed))
-    return packed
+    copy = torch.empty(count, dtype=dtype)  # CPU tensors start 64-byte aligned, as the kernels load
+    weakref.finalize(copy, _packed_copy_freed, nbytes)
+    assert copy.data_ptr() % 64 == 0
+    return copy
 
 
 BF16_ATTR = "_cleave_bf16_values"  # on a float32 weight: its values are bfloat16 ones (mark_bfloat16_values)
@@ -473,18 +480,20 @@ def mark_bfloat16_values(weights: list[torch.Tensor]) -> None:
 
 def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The AMX copy of a bfloat16-valued float32 CPU ``weight`` [N, K] (half its bytes), made on first use
-    and kept on the tensor (made again once it is written in place); None where AMX does not apply."""
+    and kept on the tensor (made again once it is written in place); None where AMX does not apply, or where
+    the copy would not fit in ``PACK_MEMORY_SHARE`` (as for ``packed_weight``)."""
     if not getattr(weight, BF16_ATTR, False) or not amx():
         return None
     key = (weight.data_ptr(), weight._version)
     cached = getattr(weight, AMX_ATTR, None)
-    if cached is not None and cached[:2] == key:
-        return cached[2]
+    if cached is not None and (cached[:2] == key or cached[2] is None):
+        return cached[2]  # None: did not fit once, stays on the float32 kernel so that its results do not change
     lib = load()
     assert lib is not None
     n, k = weight.shape
-    packed = torch.empty(lib.linear_amx_packed_elems(n, k), dtype=torch.int16)  # 64-byte aligned, as tiles load
-    lib.linear_amx_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    packed = _weight_copy(lib.linear_amx_packed_elems(n, k), torch.int16, tuple(weight.shape))
+    if packed is not None:
+        lib.linear_amx_pack(weight.data_ptr(), n, k, packed.data_ptr())
     setattr(weight, AMX_ATTR, (*key, packed))
     return packed
 

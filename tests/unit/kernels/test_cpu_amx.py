@@ -60,3 +60,20 @@ def test_a_weight_written_in_place_is_packed_again():
     w.mul_(2)  # exact in bfloat16
     again = cpu_kernels.linear(x, w)
     assert torch.equal(again, first * 2)
+
+
+def test_an_amx_copy_that_does_not_fit_keeps_the_float32_product(monkeypatch):
+    """AMX copies count against the same memory share as the packed float32 ones; a weight whose copy did not
+    fit stays on the float32 kernel for good (its results must not change when memory frees up later)."""
+    gen = torch.Generator().manual_seed(6)
+    x, w = torch.randn(4, 64, generator=gen), bfloat16_weight(40, 64, gen)
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 1000)  # less than 4 x the copy
+    assert cpu_kernels.amx_weight(w) is None
+    monkeypatch.setattr(cpu_kernels, "available_memory_bytes", lambda: 1 << 40)
+    assert cpu_kernels.amx_weight(w) is None
+    out = cpu_kernels.linear(x, w)
+    assert (out.double() - x.double() @ w.double().T).abs().max().item() < 1e-4  # not rounded to bfloat16
+    held = cpu_kernels._packed_bytes
+    other = bfloat16_weight(32, 64, gen)
+    assert cpu_kernels.amx_weight(other) is not None
+    assert cpu_kernels._packed_bytes == held + 32 * 64 * 2
