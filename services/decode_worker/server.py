@@ -237,7 +237,7 @@ class DecodeWorker(WorkerBase):
         remote = remote_kv(handle, peer_id="")  # the peer id is known after the handshake
         load: KVLoad | None = None
         pending: Future[LoadResult] | None = None
-        pulled_from: list[str] = []  # the peer of each attempt
+        last_peer = ""  # the peer of the last pull attempt
         try:
             if time.time() > handle.lease_deadline_unix:
                 raise PullFailed("the KV lease expired before the pull")
@@ -249,8 +249,8 @@ class DecodeWorker(WorkerBase):
             planned = load
 
             async def attempt(peer: str) -> LoadResult:
-                nonlocal pending
-                pulled_from.append(peer)
+                nonlocal pending, last_peer
+                last_peer = peer
                 pending = self.kv_loader.start_load(replace(planned, remote=replace(remote, peer_id=peer)))
                 return await asyncio.shield(asyncio.wrap_future(pending))
 
@@ -299,7 +299,7 @@ class DecodeWorker(WorkerBase):
                      load.num_local_tokens, load.num_remote_tokens, load.num_blocks, result.num_bytes)  # fmt: skip
         transfer = {"kv_transfer_bytes": result.num_bytes, "kv_transfer_seconds": time.perf_counter() - start}
         try:
-            local = bool(pulled_from) and self.connector.reads_locally(pulled_from[-1])
+            local = bool(last_peer) and self.connector.reads_locally(last_peer)
         except KVTransferError:  # the peer was removed since (a prefill worker that left)
             local = False
         return req, (lambda r: connector.finish_load(r, load)), transfer, local

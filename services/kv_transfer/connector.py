@@ -279,10 +279,11 @@ class KVConnector(ABC):
         logger.info("kv_peer_removed backend=%s peer=%s", self.backend_name, peer_id)
         return True
 
-    @abstractmethod
     def close(self) -> None:
-        """Stop serving (local readers included: see _withdraw_host_memory) and release backend resources.
-        Safe to call twice."""
+        """Stop serving (local readers included: the host-memory description is withdrawn) and release
+        backend resources. Safe to call twice."""
+        self._withdraw_host_memory()
+        self._close_backend()
 
     def __enter__(self) -> KVConnector:
         return self
@@ -291,6 +292,10 @@ class KVConnector(ABC):
         self.close()
 
     # --- backend hooks --------------------------------------------------------------
+
+    @abstractmethod
+    def _close_backend(self) -> None:
+        """Stop the backend's serving and release its resources; called by `close`, possibly twice."""
 
     @abstractmethod
     def _backend_metadata(self) -> dict[str, Any]:

@@ -246,8 +246,7 @@ class NixlConnector(KVConnector):
             # NIXL keeps a handle it could not cancel and frees it with the agent.
             logger.error("nixl_release_failed peer=%s error=%r", peer_id, exc)
 
-    def close(self) -> None:
-        self._withdraw_host_memory()
+    def _close_backend(self) -> None:
         with self._agent_lock:
             agent, self._agent = self._agent, None
             if agent is None:

@@ -278,8 +278,7 @@ class TcpConnector(KVConnector):
         local_blocks = self.kv_cache[run.local_start : run.local_start + run.num_blocks]
         local_blocks.reshape(-1).view(torch.uint8).copy_(staging)
 
-    def close(self) -> None:
-        self._withdraw_host_memory()
+    def _close_backend(self) -> None:
         self._server.close()
         with self._lock:
             self._closed = True

@@ -128,8 +128,8 @@ class ModelRunner:
             return
         self.model.cpu_stack(self.attn_backend)
         head = self.model.output_weight
-        if cpu_kernels.amx_weight(head) is None and head.dtype == torch.float32:
-            cpu_kernels.packed_weight(head)
+        if head.dtype == torch.float32:
+            cpu_kernels.kernel_copies(head)
 
     def capture_decode_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
         """CUDA only, with the Triton backend: replay decode steps from CUDA graphs."""

@@ -498,6 +498,14 @@ def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def kernel_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(AMX copy, packed float32 copy) of a projection's weight, at most one of them, made on first use: the
+    AMX one where it applies (``amx_weight``), else the packed one (``packed_weight``); neither: the weight as
+    it is. The module path (``linear``) and the one-call forward (``CpuStack``) both choose here."""
+    tiles = amx_weight(weight)
+    return (tiles, None) if tiles is not None else (None, packed_weight(weight))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``x @ weight.T`` for float32 CPU ``x`` [..., K] and ``weight`` [N, K] on the native kernel, whose
     result for a row does not depend on the other rows; None where it does not apply."""
@@ -511,13 +519,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
     lib = load()
     assert lib is not None
-    tiles = amx_weight(weight)
+    tiles, packed = kernel_copies(weight)
     if tiles is not None:
         status = lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(), weight.shape[0],
                                 rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
         if status == 0:
-            return out
-    packed = packed_weight(weight)
+            return out  # else (no memory for the rounded rows) the weight as it is, as the one-call forward does
     product, w = (lib.linear_f32, weight) if packed is None else (lib.linear_f32_packed, packed)
     product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), weight.shape[0], rows.shape[0],
             weight.shape[0], weight.shape[1])  # fmt: skip

@@ -145,23 +145,19 @@ class CpuStack:
         self.weight_ptrs = self._weight_ptrs()
         size = len(groups[0]) if groups else 0
 
-        def packed(module) -> int | None:  # the projection's packed copy, where the native kernel reads one
-            if self.sgemm is not None or cpu_kernels.amx_weight(module.weight) is not None:
-                return None  # torch's BLAS, or AMX
-            copy = cpu_kernels.packed_weight(module.weight)
-            return None if copy is None else copy.data_ptr()
+        def copies(module) -> tuple[int | None, int | None]:
+            """A projection's (packed, AMX) copy where the native kernels read one; neither on torch's BLAS."""
+            tiles, packed = cpu_kernels.kernel_copies(module.weight) if self.sgemm is None else (None, None)
+            return (None if packed is None else packed.data_ptr()), (None if tiles is None else tiles.data_ptr())
 
-        def amx(module) -> int | None:  # its AMX copy, where the weight holds bfloat16 values
-            copy = cpu_kernels.amx_weight(module.weight) if self.sgemm is None else None
-            return None if copy is None else copy.data_ptr()
+        def layer(i: int, la, group) -> _LayerWeights:
+            packed, amx = zip(*[copies(module) for module in group[:PROJECTIONS]], strict=True)
+            return _LayerWeights(*[ptr for ptr, _ in self.weight_ptrs[i * size : (i + 1) * size]], *packed, *amx,
+                                 la.input_layernorm.eps, la.post_attention_layernorm.eps)  # fmt: skip
 
-        self.layer_weights = (_LayerWeights * len(layers))(*[
-            _LayerWeights(*[ptr for ptr, _ in self.weight_ptrs[i * size : (i + 1) * size]],
-                          *[packed(module) for module in group[:PROJECTIONS]],
-                          *[amx(module) for module in group[:PROJECTIONS]],
-                          la.input_layernorm.eps, la.post_attention_layernorm.eps)
-            for i, (la, group) in enumerate(zip(layers, groups, strict=True))
-        ])  # fmt: skip
+        self.layer_weights = (_LayerWeights * len(layers))(
+            *[layer(i, la, group) for i, (la, group) in enumerate(zip(layers, groups, strict=True))]
+        )
 
     def supports(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         """The cache layout the kernels read: [blocks, layers, 2, block_size, kv_heads, head_dim], rows contiguous."""
