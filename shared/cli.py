@@ -50,6 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="weights and KV cache dtype; auto: bfloat16 on CUDA; on CPU float32 (its native kernels), "
         "but bfloat16 for a bfloat16 checkpoint over 1B parameters",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=env_default("--kv-cache-dtype", "auto"),
+        choices=["auto", "float32", "bfloat16"],
+        help="KV cache dtype; auto: the model's, but bfloat16 where a bfloat16 checkpoint runs in float32 on the "
+        "CPU (half the bytes per token, the checkpoint's own precision); on CUDA it must be the model's",
+    )
     g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")
     g.add_argument(
@@ -104,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=resolve_model(args.model),
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

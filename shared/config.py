@@ -20,6 +20,9 @@ CPU_STEP_TOKENS = 256
 class EngineConfig:
     model: str  # Hugging Face checkpoint directory
     dtype: str = "auto"  # "auto" (the checkpoint's, float32 on CPU for float16), "float32", "bfloat16"
+    # "auto" (the model's dtype; bfloat16 where a bfloat16 checkpoint runs in float32 on the CPU), "float32",
+    # "bfloat16"; see shared.engine.engine_core.resolve_kv_dtype
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda"
     block_size: int = 16  # tokens per KV block
     kv_cache_memory: int = 2 * GiB  # bytes of KV cache on CPU
@@ -38,6 +41,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.max_num_batched_tokens < 0:
             raise ValueError("max_num_batched_tokens must be >= 1, or 0 for the device's default")
         if self.max_num_seqs < 1:

@@ -103,7 +103,7 @@ def _vocab_size(model: str) -> int:
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
     """The engine flags of this run, for the decode worker."""
-    flags = ["--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+    flags = ["--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype, "--device", args.device, "--block-size", str(args.block_size),
              "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-prefix-caching"]  # fmt: skip
     return flags + (["--enforce-eager"] if args.enforce_eager else [])

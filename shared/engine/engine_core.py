@@ -97,6 +97,23 @@ def _resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device, num_p
     return "float32"
 
 
+def resolve_kv_dtype(name: str, dtype_name: str, checkpoint_dtype: str, device: torch.device) -> str:
+    """``auto``: the model's dtype, but bfloat16 for a bfloat16 checkpoint run in float32 on the CPU: its keys
+    and values rounded to the checkpoint's own precision, half the bytes a token (twice the tokens in the same
+    ``--kv-cache-memory``, half the memory traffic of decode attention, which at batch 64 is about half a step).
+    Decided by the checkpoint and the flags alone, as the dtype is: a prefill and a decode worker must agree. On
+    CUDA the cache must be the model's dtype (the Triton kernels read it as the queries' dtype)."""
+    if name == "auto":
+        if device.type == "cpu" and checkpoint_dtype == "bfloat16" and dtype_name == "float32":
+            return "bfloat16"
+        return dtype_name
+    if device.type == "cuda" and name != dtype_name:
+        raise ValueError(
+            f"--kv-cache-dtype {name} with a {dtype_name} model: on CUDA the KV cache is the model's dtype"
+        )
+    return name
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -111,13 +128,15 @@ class EngineCore:
         if self.dtype_name != checkpoint.torch_dtype:
             logger.info("dtype %s checkpoint runs in %s (--dtype %s)", checkpoint.torch_dtype, self.dtype_name,
                         config.dtype)  # fmt: skip
-        dtype = torch_dtype(self.dtype_name)
         self.model, self.model_config = load_model(config.model, self.dtype_name, self.device)
         if self.device.type == "cpu" and checkpoint.torch_dtype == "bfloat16" and self.dtype_name == "float32":
             # Its projections may run on AMX, which rounds their inputs to bfloat16 as the checkpoint's own
             # dtype would (cpu_kernels.amx_weight); the rest stays float32.
             cpu_kernels.mark_bfloat16_values(self.model.projection_weights())
-        self.num_blocks = self._num_blocks(dtype)
+        self.kv_dtype_name = resolve_kv_dtype(config.kv_cache_dtype, self.dtype_name, checkpoint.torch_dtype,
+                                              self.device)  # fmt: skip
+        kv_dtype = torch_dtype(self.kv_dtype_name)
+        self.num_blocks = self._num_blocks(kv_dtype)
         model_len = config.max_model_len or self.model_config.max_position_embeddings
         window = self.model_config.sliding_window
         if window and model_len > window:
@@ -148,7 +167,7 @@ class EngineCore:
             self.model_config,
             self.num_blocks,
             config.block_size,
-            dtype,
+            kv_dtype,
             self.device,
             get_attention_backend(self.device, config.attention_backend),
             tuple(self.model_config.eos_token_ids),
@@ -171,11 +190,11 @@ class EngineCore:
         self.on_step: Callable[[int], None] | None = None
         self._grammar: Any = None  # GrammarBackend, made on the first constrained request
         self._grammar_lock = threading.Lock()
-        block_bytes = kv_block_bytes(self.model_config, config.block_size, dtype)
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, kv_dtype)
         logger.info(
-            "engine ready model=%s device=%s dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
+            "engine ready model=%s device=%s dtype=%s kv_dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
             "max_tokens_in_cache=%d max_model_len=%d load_seconds=%.2f",
-            config.model, self.device, self.dtype_name, self.num_blocks, config.block_size,
+            config.model, self.device, self.dtype_name, self.kv_dtype_name, self.num_blocks, config.block_size,
             self.num_blocks * block_bytes, self.num_blocks * config.block_size, self.max_model_len,
             time.perf_counter() - t0,
         )  # fmt: skip

@@ -95,7 +95,7 @@ class ModelRunner:
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         device: torch.device,
         attn_backend,
         eos_token_ids: tuple[int, ...] = (),
@@ -109,7 +109,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         shape = (num_blocks, model_config.num_layers, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_cache = allocate_kv_cache(shape, dtype, device, prefault_kv_cache)
+        self.kv_cache = allocate_kv_cache(shape, kv_dtype, device, prefault_kv_cache)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self.graphs: DecodeGraphs | None = None

@@ -1,10 +1,10 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-``paged_decode`` and ``paged_prefill`` read K/V straight from the paged cache
-(the torch path must first gather the blocks into a copy); ``paged_prefill``
+``paged_decode`` and ``paged_prefill`` read K/V straight from the paged cache, float32
+or bfloat16 (the torch path must first gather the blocks into a copy); ``paged_prefill``
 applies causality per key block and shares K/V rows across a GQA group, so it
-needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows with
-one memcpy each. ``rms_norm`` and ``rope_`` are the model's element-wise ops in
+needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows (one memcpy
+each into a float32 cache, rounded to nearest even into a bfloat16 one). ``rms_norm`` and ``rope_`` are the model's element-wise ops in
 one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
 ``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
 ``silu_mul`` the MLP's activation on the fused gate|up output; ``linear`` is the float32 projection
@@ -122,16 +122,19 @@ def load() -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.paged_decode_f32
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, i32]
-    fn.restype = ctypes.c_int
-    fn = lib.paged_prefill_f32
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32]
-    fn.restype = ctypes.c_int
-    fn = lib.write_kv_f32
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
-    fn.restype = None
+    for suffix in ("f32", "bf16"):  # the cache's dtype; bf16 optional: an older prebuilt library has float32 only
+        if suffix == "bf16" and not hasattr(lib, "paged_decode_bf16"):
+            break
+        fn = getattr(lib, f"paged_decode_{suffix}")
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, i32]
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"paged_prefill_{suffix}")
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32]
+        fn.restype = ctypes.c_int
+        fn = getattr(lib, f"write_kv_{suffix}")
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
+        fn.restype = None
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, f32]
     lib.rms_norm_f32.restype = None
     lib.rope_f32.argtypes = [ptr, i64, i32, i32, i32, ptr, ptr]
@@ -180,14 +183,30 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.pool_record_cpus.restype = None
 
 
+_KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def kv_cache_supported(dtype: torch.dtype) -> bool:
+    """The attention kernels read a cache of this dtype (float32, or bfloat16 from a library that has them)."""
+    lib = load()
+    return lib is not None and dtype in _KV_SUFFIX and hasattr(lib, f"paged_decode_{_KV_SUFFIX[dtype]}")
+
+
+def _kv_kernel(name: str, cache: torch.Tensor):
+    """The kernel ``name`` built for ``cache``'s dtype."""
+    return getattr(load(), f"{name}_{_KV_SUFFIX[cache.dtype]}")
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """float32 queries over a float32 or bfloat16 cache."""
     head_dim = k_cache.shape[3]
     return (
         query.device.type == "cpu"
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and query.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype
+        and kv_cache_supported(k_cache.dtype)
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride()[2:] == (head_dim, 1)
-        and load() is not None
     )
 
 
@@ -199,15 +218,13 @@ def paged_decode(
     seq_lens: list[int],
     scale: float,
 ) -> torch.Tensor | None:  # [num_seqs, num_heads, head_dim], or None if the kernel declined
-    lib = load()
-    assert lib is not None
     query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.empty_like(query)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    status = lib.paged_decode_f32(
+    status = _kv_kernel("paged_decode", k_cache)(
         query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         k_cache.stride(1), block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), num_seqs, num_heads,
         num_kv_heads, head_dim, block_size, scale, max(seq_lens),
@@ -225,8 +242,6 @@ def paged_prefill(
     scale: float,
 ) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim], or None if the kernel declined
     """Causal attention of every sequence's new tokens (any count, decode included) over its paged context."""
-    lib = load()
-    assert lib is not None
     query = query.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
@@ -234,7 +249,7 @@ def paged_prefill(
     out = torch.empty_like(query)
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    status = lib.paged_prefill_f32(
+    status = _kv_kernel("paged_prefill", k_cache)(
         query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         k_cache.stride(1), block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(),
         seq_lens.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
@@ -243,16 +258,17 @@ def paged_prefill(
 
 
 def supports_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Rows of K/V (inner two dims contiguous) going into float32 caches of the same layout."""
+    """float32 rows of K/V (inner two dims contiguous) going into float32 or bfloat16 caches of the same layout."""
     head_dim = k_cache.shape[3]
     rows_ok = all(t.stride()[1:] == (head_dim, 1) for t in (key, value))
     return (
-        key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        key.dtype == value.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype
+        and kv_cache_supported(k_cache.dtype)
         and key.device.type == "cpu"
         and rows_ok
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride()[2:] == (head_dim, 1)
-        and load() is not None
     )
 
 
@@ -263,11 +279,9 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    lib = load()
-    assert lib is not None
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    lib.write_kv_f32(
+    _kv_kernel("write_kv", k_cache)(
         key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), slot_mapping.data_ptr(), key.shape[0], num_kv_heads * head_dim,
         block_size,

@@ -48,7 +48,7 @@ class _ForwardArgs(ctypes.Structure):
         ("sgemm", ctypes.c_void_p),
         *[(name, ctypes.c_int) for name in ("num_tokens", "hidden", "q_size", "kv_size", "intermediate", "num_heads",
                                              "num_kv_heads", "head_dim", "num_layers", "block_size", "num_seqs",
-                                             "max_seq_len", "is_decode")],
+                                             "max_seq_len", "is_decode", "kv_bf16")],
         ("scale", ctypes.c_float), ("final_eps", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("kv_cache", ctypes.c_void_p),
         *[(name, ctypes.c_int64) for name in ("block_stride", "row_stride", "layer_stride", "value_offset")],
@@ -160,9 +160,10 @@ class CpuStack:
         )
 
     def supports(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """The cache layout the kernels read: [blocks, layers, 2, block_size, kv_heads, head_dim], rows contiguous."""
+        """The cache layout the kernels read: [blocks, layers, 2, block_size, kv_heads, head_dim], rows contiguous,
+        float32 or bfloat16."""
         return (
-            kv_cache.dtype == torch.float32
+            cpu_kernels.kv_cache_supported(kv_cache.dtype)
             and kv_cache.dim() == 6
             and kv_cache.shape[3] == meta.block_size <= MAX_BLOCK
             and kv_cache.stride()[4:] == (self.head_dim, 1)
@@ -201,8 +202,9 @@ class CpuStack:
         args = _ForwardArgs(
             self.sgemm, num_tokens, self.hidden_size, self.q_size, self.kv_size, self.intermediate, self.num_heads,
             self.num_kv_heads, self.head_dim, len(self.layer_weights), meta.block_size, meta.num_seqs,
-            meta.max_seq_len, int(meta.is_pure_decode), self.scale, model.norm.eps, model.norm.weight.data_ptr(),
-            kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(3), kv_cache.stride(1), kv_cache.stride(2),
+            meta.max_seq_len, int(meta.is_pure_decode), int(kv_cache.dtype == torch.bfloat16), self.scale,
+            model.norm.eps, model.norm.weight.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(3),
+            kv_cache.stride(1), kv_cache.stride(2),
             slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
             block_tables.stride(0), cos.data_ptr(), sin.data_ptr(), hidden.data_ptr(), final.data_ptr(),
             scratch.data_ptr(),

@@ -66,6 +66,7 @@ class PagedSequences:
     max_len: int
     num_seqs: int = 1
     seed: int = 0
+    kv_dtype: torch.dtype | None = None  # the cache's dtype; None: the model's
     kv_cache: torch.Tensor = field(init=False)
     block_tables: list[list[int]] = field(init=False)
     num_computed: list[int] = field(init=False)
@@ -76,7 +77,7 @@ class PagedSequences:
         ids = list(range(num_blocks))
         random.Random(self.seed).shuffle(ids)
         self.block_tables = [ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(self.num_seqs)]
-        self.kv_cache = make_kv_cache(self.model.config, num_blocks, self.block_size, self.model.dtype)
+        self.kv_cache = make_kv_cache(self.model.config, num_blocks, self.block_size, self.kv_dtype or self.model.dtype)
         self.num_computed = [0] * self.num_seqs
 
     @torch.no_grad()

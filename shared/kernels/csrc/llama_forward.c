@@ -1,7 +1,7 @@
 /*
  * The decoder stack's float32 CPU forward as one call: per layer the add-and-norm, the q|k|v
  * projection, RoPE, the KV write, paged attention, the output projection, the second add-and-norm,
- * gate|up, SiLU x up and the down projection, then the final norm. The same kernels as the model's
+ * gate|up, SiLU x up and the down projection, then the final norm. The KV cache is float32 or bfloat16. The same kernels as the model's
  * Python path, in the same order; the projections run on gemm.c's kernel, as the Python path's do, or
  * (where the caller passes it) on the BLAS ``sgemm_`` that torch's own ``F.linear`` calls, with the same
  * arguments, so results are bit-identical either way.
@@ -35,6 +35,18 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
                       int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
                       const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs, int num_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale);
+/* Their bfloat16-cache builds (paged_decode_bf16.c, paged_prefill_bf16.c). */
+void write_kv_bf16(const float *key, const float *value, int64_t key_stride, int64_t value_stride, uint16_t *k_cache,
+                   uint16_t *v_cache, int64_t block_stride, int64_t row_stride, const int64_t *slot_mapping,
+                   int num_tokens, int row_elems, int block_size);
+int paged_decode_bf16(const float *q, float *out, const uint16_t *k_cache, const uint16_t *v_cache,
+                      int64_t block_stride, int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
+                      const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                      int block_size, float scale, int max_seq_len);
+int paged_prefill_bf16(const float *q, float *out, const uint16_t *k_cache, const uint16_t *v_cache,
+                       int64_t block_stride, int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
+                       const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs, int num_heads,
+                       int num_kv_heads, int head_dim, int block_size, float scale);
 
 typedef struct {
     const float *qkv_weight, *o_weight, *gate_up_weight, *down_weight, *input_norm, *post_norm;
@@ -48,11 +60,11 @@ typedef struct {
 typedef struct {
     sgemm_fn sgemm; /* NULL: gemm.c's linear_f32 */
     int num_tokens, hidden, q_size, kv_size, intermediate, num_heads, num_kv_heads, head_dim, num_layers;
-    int block_size, num_seqs, max_seq_len, is_decode;
+    int block_size, num_seqs, max_seq_len, is_decode, kv_bf16; /* kv_bf16: the cache holds bfloat16 */
     float scale, final_eps;
     const float *final_norm;
-    float *kv_cache;                                   /* [blocks, layers, 2, block_size, kv_heads, head_dim] */
-    int64_t block_stride, row_stride, layer_stride, value_offset; /* in floats */
+    void *kv_cache;                                    /* [blocks, layers, 2, block_size, kv_heads, head_dim] */
+    int64_t block_stride, row_stride, layer_stride, value_offset; /* in elements */
     const int64_t *slot_mapping;
     const int32_t *block_tables, *seq_lens, *query_start_loc;
     int64_t bt_stride;
@@ -84,6 +96,26 @@ static void linear(sgemm_fn sgemm, const float *x, const float *w, const float *
     sgemm(&transa, &transb, &n, &m, &k, &alpha, w, &k, x, &k, &beta, y, &n);
 }
 
+/* The layer's KV write and paged attention, for a cache of float32 (KV_T float, suffix f32) or bfloat16. */
+#define ATTENTION(KV_T, SUFFIX)                                                                                        \
+    static int attention_##SUFFIX(const ForwardArgs *a, int l, const float *qkv, const float *q, float *attn) {      \
+        const int qkv_dim = a->q_size + 2 * a->kv_size;                                                               \
+        KV_T *k_cache = (KV_T *)a->kv_cache + (int64_t)l * a->layer_stride, *v_cache = k_cache + a->value_offset;    \
+        write_kv_##SUFFIX(qkv + a->q_size, qkv + a->q_size + a->kv_size, qkv_dim, qkv_dim, k_cache, v_cache,         \
+                          a->block_stride, a->row_stride, a->slot_mapping, a->num_tokens, a->kv_size, a->block_size); \
+        return a->is_decode ? paged_decode_##SUFFIX(q, attn, k_cache, v_cache, a->block_stride, a->row_stride,        \
+                                                    a->block_tables, a->bt_stride, a->seq_lens, a->num_seqs,           \
+                                                    a->num_heads, a->num_kv_heads, a->head_dim, a->block_size,         \
+                                                    a->scale, a->max_seq_len)                                          \
+                            : paged_prefill_##SUFFIX(q, attn, k_cache, v_cache, a->block_stride, a->row_stride,       \
+                                                     a->block_tables, a->bt_stride, a->query_start_loc, a->seq_lens,   \
+                                                     a->num_seqs, a->num_heads, a->num_kv_heads, a->head_dim,          \
+                                                     a->block_size, a->scale);                                         \
+    }
+ATTENTION(float, f32)
+ATTENTION(uint16_t, bf16)
+#undef ATTENTION
+
 /* Floats of scratch the forward needs for num_tokens tokens. */
 int64_t llama_forward_scratch_floats(int num_tokens, int hidden, int q_size, int kv_size, int intermediate) {
     const int64_t t = num_tokens;
@@ -104,18 +136,8 @@ int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
             add_rms_norm_f32(mlp_out, h, a->residual, h, w->input_norm, normed, h, t, h, w->input_eps);
         linear(a->sgemm, normed, w->qkv_weight, w->qkv_packed, w->qkv_amx, qkv, t, qkv_dim, h);
         rope_f32(qkv, qkv_dim, t, a->num_heads + a->num_kv_heads, a->head_dim, a->cos, a->sin);
-        float *k_cache = a->kv_cache + (int64_t)l * a->layer_stride, *v_cache = k_cache + a->value_offset;
-        write_kv_f32(qkv + a->q_size, qkv + a->q_size + a->kv_size, qkv_dim, qkv_dim, k_cache, v_cache,
-                     a->block_stride, a->row_stride, a->slot_mapping, t, a->kv_size, a->block_size);
         for (int i = 0; i < t; i++) memcpy(q + (int64_t)i * a->q_size, qkv + (int64_t)i * qkv_dim, sizeof(float) * (size_t)a->q_size);
-        const int status =
-            a->is_decode
-                ? paged_decode_f32(q, attn, k_cache, v_cache, a->block_stride, a->row_stride, a->block_tables,
-                                   a->bt_stride, a->seq_lens, a->num_seqs, a->num_heads, a->num_kv_heads,
-                                   a->head_dim, a->block_size, a->scale, a->max_seq_len)
-                : paged_prefill_f32(q, attn, k_cache, v_cache, a->block_stride, a->row_stride, a->block_tables,
-                                    a->bt_stride, a->query_start_loc, a->seq_lens, a->num_seqs, a->num_heads,
-                                    a->num_kv_heads, a->head_dim, a->block_size, a->scale);
+        const int status = a->kv_bf16 ? attention_bf16(a, l, qkv, q, attn) : attention_f32(a, l, qkv, q, attn);
         if (status != 0) return status;
         linear(a->sgemm, attn, w->o_weight, w->o_packed, w->o_amx, o, t, h, a->q_size);
         add_rms_norm_f32(o, h, a->residual, h, w->post_norm, normed, h, t, h, w->post_eps);

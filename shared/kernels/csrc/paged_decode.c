@@ -2,7 +2,8 @@
  * Paged decode attention on the CPU: one new query token per sequence attends
  * to its whole context, read straight from the paged KV cache (no gather copy).
  *
- * Layouts (element strides given by the caller, float32):
+ * Layouts (element strides given by the caller; q and out float32, the cache kv_t: float32 here,
+ * bfloat16 in paged_decode_bf16.c, which compiles this file again with KV_BF16 set; see kv.h):
  *   q, out        [num_seqs, num_heads, head_dim], contiguous
  *   k/v cache     a layer's view [num_blocks, block_size, num_kv_heads, head_dim];
  *                 block_stride between blocks, rows of num_kv_heads * head_dim
@@ -17,14 +18,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv.h"
 #include "pool.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 
-static inline float dot(const float *a, const float *b, int n) {
+static inline float dot(const float *a, const kv_t *b, int n) {
     float s = 0.f;
-    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    for (int i = 0; i < n; i++) s += a[i] * kv_float(b[i]);
     return s;
 }
 
@@ -49,12 +51,12 @@ static inline void softmax_rows(float *scores, int rows, int seq_len, float *sum
 #endif
 #define NEXT_ITEM_BLOCKS 4 /* of the next item, started while this one computes */
 
-/* Start loading ``num_floats`` of each of ``rows`` rows (row_stride apart) into the cache; with ``to_l2``
+/* Start loading ``num_elems`` of each of ``rows`` rows (row_stride apart) into the cache; with ``to_l2``
  * (a constant) into the second-level cache only, for data wanted a little later. */
-static inline __attribute__((always_inline)) void prefetch_rows(const float *base, int64_t row_stride, int rows,
-                                                                int num_floats, const int to_l2) {
+static inline __attribute__((always_inline)) void prefetch_rows(const kv_t *base, int64_t row_stride, int rows,
+                                                                int num_elems, const int to_l2) {
     for (int i = 0; i < rows; i++)
-        for (int d = 0; d < num_floats; d += 16) {
+        for (int d = 0; d < num_elems; d += KV_LINE) {
             const char *line = (const char *)(base + (int64_t)i * row_stride + d);
             if (to_l2)
                 _mm_prefetch(line, _MM_HINT_T1);
@@ -65,18 +67,18 @@ static inline __attribute__((always_inline)) void prefetch_rows(const float *bas
 
 /* The rows of one block's keys and values, from element ``at`` of each cache, into the second-level cache.
  * Inlined like prefetch_rows: as a call, it lost all of what the prefetches gain (measured). */
-static inline __attribute__((always_inline)) void prefetch_kv_block(const float *k_cache, const float *v_cache,
+static inline __attribute__((always_inline)) void prefetch_kv_block(const kv_t *k_cache, const kv_t *v_cache,
                                                                     int64_t at, int64_t row_stride, int rows,
-                                                                    int num_floats) {
-    prefetch_rows(k_cache + at, row_stride, rows, num_floats, 1);
-    prefetch_rows(v_cache + at, row_stride, rows, num_floats, 1);
+                                                                    int num_elems) {
+    prefetch_rows(k_cache + at, row_stride, rows, num_elems, 1);
+    prefetch_rows(v_cache + at, row_stride, rows, num_elems, 1);
 }
 #endif
 
 #if defined(__AVX512F__)
 
 /* scores[g][t0 .. t0 + n) = scale * q_g . k_t for n <= 16 keys whose rows start at k (row_stride apart). */
-static inline void score_keys(const float *q, const float *k, int64_t row_stride, int n, int group, int head_dim,
+static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride, int n, int group, int head_dim,
                               float scale, float *scores, int64_t seq_len, int t0) {
     const int nd = head_dim / 16;
     if (n == 16) { /* a full run of keys: 16 independent FMA chains, each K vector used from L1 per head */
@@ -89,7 +91,7 @@ static inline void score_keys(const float *q, const float *k, int64_t row_stride
                 const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
 #pragma GCC unroll 16
                 for (int t = 0; t < 16; t++)
-                    p[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (int64_t)t * row_stride + 16 * c), p[t]);
+                    p[t] = _mm512_fmadd_ps(qv, kv_load16(k + (int64_t)t * row_stride + 16 * c), p[t]);
             }
             _mm512_storeu_ps(scores + (int64_t)g * seq_len + t0, _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale)));
         }
@@ -103,9 +105,9 @@ static inline void score_keys(const float *q, const float *k, int64_t row_stride
                 p[t] = _mm512_setzero_ps();
                 continue;
             }
-            const float *kt = k + (int64_t)t * row_stride;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt));
-            for (int c = 1; c < nd; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kt + 16 * c), acc);
+            const kv_t *kt = k + (int64_t)t * row_stride;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv_load16(kt));
+            for (int c = 1; c < nd; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv_load16(kt + 16 * c), acc);
             p[t] = acc;
         }
         const __m512 s = _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale));
@@ -114,7 +116,7 @@ static inline void score_keys(const float *q, const float *k, int64_t row_stride
 }
 
 /* out[g] = sum_t w[g][t] v_t / sums[g] for head_dim % 64 == 0: up to four heads x 64 dims in registers. */
-static void weigh_values(const float *scores, const float *v_cache, int64_t block_stride, int64_t row_stride,
+static void weigh_values(const float *scores, const kv_t *v_cache, int64_t block_stride, int64_t row_stride,
                          const int32_t *block_table, int seq_len, int kv_head, int group, int head_dim,
                          int block_size, const float *sums, float *out) {
     const int num_blocks = (seq_len + block_size - 1) / block_size;
@@ -125,7 +127,7 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
             for (int g = 0; g < 4; g++)
                 for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
             for (int b = 0; b < num_blocks; b++) {
-                const float *base =
+                const kv_t *base =
                     v_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim + d0;
                 const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
                 for (int p = b == 0 ? 1 : b + PREFETCH_AHEAD; p <= b + PREFETCH_AHEAD && p < num_blocks; p++)
@@ -133,9 +135,9 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
                                   row_stride, block_size, 64, 0);
                 const float *w = scores + (int64_t)g0 * seq_len + b * block_size;
                 for (int i = 0; i < n; i++) {
-                    const float *v = base + (int64_t)i * row_stride;
-                    __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-                    __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+                    const kv_t *v = base + (int64_t)i * row_stride;
+                    __m512 v0 = kv_load16(v), v1 = kv_load16(v + 16);
+                    __m512 v2 = kv_load16(v + 32), v3 = kv_load16(v + 48);
                     /* In registers: loaded once, not again as a memory operand of every head's FMA. */
                     __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
 #define CLEAVE_PV(g)                                                           \
@@ -162,12 +164,12 @@ static void weigh_values(const float *scores, const float *v_cache, int64_t bloc
 
 #if defined(__AVX512F__) /* the one-head-per-item path (see decode_items) */
 /* Pass 1: scores[g][t] = scale * q_g . k_t over the whole context. */
-static void score_context(const float *q, const float *k_cache, const float *v_cache, int64_t block_stride,
+static void score_context(const float *q, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
                           int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
                           int head_dim, int block_size, float scale, float *scores) {
     const int num_blocks = (seq_len + block_size - 1) / block_size;
     for (int b = 0; b < num_blocks; b++) {
-        const float *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
+        const kv_t *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
         if (head_dim % 16 == 0) {
             /* Blocks sit anywhere: start loading the one PREFETCH_AHEAD on (the blocks before it at the start),
@@ -182,14 +184,14 @@ static void score_context(const float *q, const float *k_cache, const float *v_c
             continue;
         }
         for (int i = 0; i < n; i++) {
-            const float *k = base + (int64_t)i * row_stride;
+            const kv_t *k = base + (int64_t)i * row_stride;
             for (int g = 0; g < group; g++)
                 scores[(int64_t)g * seq_len + b * block_size + i] = dot(q + (int64_t)g * head_dim, k, head_dim) * scale;
         }
     }
 }
 
-static void one_head(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+static void one_head(const float *q, float *out, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
                      int64_t row_stride, const int32_t *block_table, int seq_len, int kv_head, int group,
                      int head_dim, int block_size, float scale, float *scores) {
     /* scores: [group, seq_len] scratch. */
@@ -208,15 +210,15 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
     float acc[MAX_GROUP * MAX_HEAD_DIM];
     memset(acc, 0, sizeof(float) * (size_t)group * (size_t)head_dim);
     for (int b = 0; b < num_blocks; b++) {
-        const float *base = v_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
+        const kv_t *base = v_cache + (int64_t)block_table[b] * block_stride + (int64_t)kv_head * head_dim;
         int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
         for (int i = 0; i < n; i++) {
-            const float *v = base + (int64_t)i * row_stride;
+            const kv_t *v = base + (int64_t)i * row_stride;
             int t = b * block_size + i;
             for (int g = 0; g < group; g++) {
                 float w = scores[(int64_t)g * seq_len + t];
                 float *a = acc + g * head_dim;
-                for (int d = 0; d < head_dim; d++) a[d] += w * v[d];
+                for (int d = 0; d < head_dim; d++) a[d] += w * kv_float(v[d]);
             }
         }
     }
@@ -235,9 +237,9 @@ static void one_head(const float *q, float *out, const float *k_cache, const flo
 
 /* dst[0 .. n) = scale * q . k_t for n <= 8 keys (rows row_stride apart), head_dim % 8 == 0: eight FMA
  * chains, one per key (a missing key repeats the last; not stored), reduced together by sum8. */
-static inline void score_keys8(const float *q, const float *k, int64_t row_stride, int n, int head_dim, float scale,
+static inline void score_keys8(const float *q, const kv_t *k, int64_t row_stride, int n, int head_dim, float scale,
                                float *dst) {
-    const float *kt[8];
+    const kv_t *kt[8];
     for (int t = 0; t < 8; t++) kt[t] = k + (int64_t)(t < n ? t : n - 1) * row_stride;
     __m256 p[8];
 #pragma GCC unroll 8
@@ -245,7 +247,7 @@ static inline void score_keys8(const float *q, const float *k, int64_t row_strid
     for (int c = 0; c < head_dim; c += 8) {
         const __m256 qv = _mm256_loadu_ps(q + c);
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; t++) p[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[t] + c), p[t]);
+        for (int t = 0; t < 8; t++) p[t] = _mm256_fmadd_ps(qv, kv_load8(kt[t] + c), p[t]);
     }
     const __m256 s = _mm256_mul_ps(sum8(p), _mm256_set1_ps(scale));
     if (n == 8)
@@ -264,13 +266,13 @@ static inline void score_keys8(const float *q, const float *k, int64_t row_strid
  * line to be fetched again). q, out: the sequence's [num_heads, head_dim]; scores: [(h1 - h0) * group,
  * seq_len] scratch. Each head's values are the same whatever the range (the same operations, in the
  * same order): a range of one head is the prefill kernel's single-token path. */
-static void head_range(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+static void head_range(const float *q, float *out, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
                        int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
                        int head_dim, int block_size, float scale, float *scores) {
     const int num_blocks = (seq_len + block_size - 1) / block_size, rows = (h1 - h0) * group;
     const float *q0 = q + (int64_t)h0 * group * head_dim;
     for (int b = 0; b < num_blocks; b++) {
-        const float *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
+        const kv_t *base = k_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
 #if defined(RANGE_TILES)
         if (head_dim % 8 == 0) {
@@ -301,7 +303,7 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
     float acc[RANGE_FLOATS];
     memset(acc, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
     for (int b = 0; b < num_blocks; b++) {
-        const float *base = v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
+        const kv_t *base = v_cache + (int64_t)block_table[b] * block_stride + (int64_t)h0 * head_dim;
         const int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
         int i = 0;
 #if defined(RANGE_TILES)
@@ -311,17 +313,17 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
             if (b + RANGE_AHEAD < num_blocks)
                 prefetch_rows(v_cache + (int64_t)block_table[b + RANGE_AHEAD] * block_stride + (int64_t)h0 * head_dim + (int64_t)i * row_stride,
                               row_stride, 2, (h1 - h0) * head_dim, 0);
-            const float *row0 = base + (int64_t)i * row_stride, *row1 = row0 + row_stride;
+            const kv_t *row0 = base + (int64_t)i * row_stride, *row1 = row0 + row_stride;
             for (int h = 0; h < h1 - h0; h++)
                 for (int g = 0; g < group; g++) {
                     const int r = h * group + g;
                     const __m256 w0 = _mm256_set1_ps(scores[(int64_t)r * seq_len + t]);
                     const __m256 w1 = _mm256_set1_ps(scores[(int64_t)r * seq_len + t + 1]);
-                    const float *v0 = row0 + (int64_t)h * head_dim, *v1 = row1 + (int64_t)h * head_dim;
+                    const kv_t *v0 = row0 + (int64_t)h * head_dim, *v1 = row1 + (int64_t)h * head_dim;
                     float *a = acc + (int64_t)r * head_dim;
                     for (int d = 0; d < head_dim; d += 8) {
-                        const __m256 once = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(a + d));
-                        _mm256_storeu_ps(a + d, _mm256_fmadd_ps(w1, _mm256_loadu_ps(v1 + d), once));
+                        const __m256 once = _mm256_fmadd_ps(w0, kv_load8(v0 + d), _mm256_loadu_ps(a + d));
+                        _mm256_storeu_ps(a + d, _mm256_fmadd_ps(w1, kv_load8(v1 + d), once));
                     }
                 }
         }
@@ -329,10 +331,10 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
         for (; i < n; i++) {
             const int t = b * block_size + i;
             for (int r = 0; r < rows; r++) {
-                const float *v = base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim;
+                const kv_t *v = base + (int64_t)i * row_stride + (int64_t)(r / group) * head_dim;
                 const float w = scores[(int64_t)r * seq_len + t];
                 float *a = acc + (int64_t)r * head_dim;
-                for (int d = 0; d < head_dim; d++) a[d] += w * v[d];
+                for (int d = 0; d < head_dim; d++) a[d] += w * kv_float(v[d]);
             }
         }
     }
@@ -343,7 +345,8 @@ static void head_range(const float *q, float *out, const float *k_cache, const f
 }
 #endif
 
-/* The most KV heads one item of decode_heads_f32 takes (1 with AVX-512: its one-head path). */
+#if !KV_BF16 /* the parts that do not read the cache: once, in the float32 build */
+/* The most KV heads one item of decode_heads_* takes (1 with AVX-512: its one-head path). */
 int decode_heads_per_item(int num_kv_heads, int group, int head_dim) {
 #if defined(__AVX512F__)
     (void)num_kv_heads, (void)group, (void)head_dim;
@@ -352,23 +355,6 @@ int decode_heads_per_item(int num_kv_heads, int group, int head_dim) {
     int heads = RANGE_FLOATS / (group * head_dim);
     heads = heads > RANGE_ROWS / group ? RANGE_ROWS / group : heads;
     return heads > num_kv_heads ? num_kv_heads : heads < 1 ? 1 : heads;
-#endif
-}
-
-/* KV heads [h0, h1) of one decode row (exported for the prefill kernel's single-token rows): q, out the
- * row's [num_heads, head_dim]; scores: [(h1 - h0) * group, seq_len]. The same values as paged_decode_f32. */
-void decode_heads_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
-                      int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
-                      int head_dim, int block_size, float scale, float *scores) {
-#if defined(__AVX512F__)
-    for (int h = h0; h < h1; h++) {
-        const int64_t offset = (int64_t)h * group * head_dim;
-        one_head(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, h, group,
-                 head_dim, block_size, scale, scores);
-    }
-#else
-    head_range(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, h0, h1, group, head_dim,
-               block_size, scale, scores);
 #endif
 }
 
@@ -386,9 +372,31 @@ float *decode_thread_scores(size_t floats) {
     }
     return buffer;
 }
+#else
+int decode_heads_per_item(int num_kv_heads, int group, int head_dim);
+float *decode_thread_scores(size_t floats);
+#endif
+
+/* KV heads [h0, h1) of one decode row (exported for the prefill kernel's single-token rows): q, out the
+ * row's [num_heads, head_dim]; scores: [(h1 - h0) * group, seq_len]. The same values as paged_decode_*. */
+void KV_NAME(decode_heads)(const float *q, float *out, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
+                      int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
+                      int head_dim, int block_size, float scale, float *scores) {
+#if defined(__AVX512F__)
+    for (int h = h0; h < h1; h++) {
+        const int64_t offset = (int64_t)h * group * head_dim;
+        one_head(q + offset, out + offset, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, h, group,
+                 head_dim, block_size, scale, scores);
+    }
+#else
+    head_range(q, out, k_cache, v_cache, block_stride, row_stride, block_table, seq_len, h0, h1, group, head_dim,
+               block_size, scale, scores);
+#endif
+}
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const kv_t *k_cache, *v_cache;
     float *out;
     int64_t block_stride, row_stride, bt_stride;
     const int32_t *block_tables, *seq_lens;
@@ -429,14 +437,14 @@ static void decode_items(void *p, int64_t i0, int64_t i1) {
         const int h1 = h0 + a->heads_per_item < a->num_kv_heads ? h0 + a->heads_per_item : a->num_kv_heads;
         if (i + 1 < i1) prefetch_item_start(a, i + 1, ranges);
         const int64_t seq_offset = (int64_t)s * a->num_heads * a->head_dim;
-        decode_heads_f32(a->q + seq_offset, a->out + seq_offset, a->k_cache, a->v_cache, a->block_stride,
+        KV_NAME(decode_heads)(a->q + seq_offset, a->out + seq_offset, a->k_cache, a->v_cache, a->block_stride,
                          a->row_stride, a->block_tables + (int64_t)s * a->bt_stride, a->seq_lens[s], h0, h1, a->group,
                          a->head_dim, a->block_size, a->scale, scores);
     }
 }
 
 /* Returns 0 on success, 1 if the shapes are outside what this kernel handles. */
-int paged_decode_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+int KV_NAME(paged_decode)(const float *q, float *out, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
                      int64_t row_stride, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                      int max_seq_len) {

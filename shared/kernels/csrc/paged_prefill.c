@@ -7,7 +7,8 @@
  * Causality is applied per key block (no mask is materialised), and the query
  * heads of one KV head (a GQA group) share every K/V row read (no K/V repeat).
  *
- * Layouts (element strides given by the caller, float32):
+ * Layouts (element strides given by the caller; q and out float32, the cache kv_t: float32 here,
+ * bfloat16 in paged_prefill_bf16.c, which compiles this file again with KV_BF16 set; see kv.h):
  *   q, out          [num_tokens, num_heads, head_dim], contiguous
  *   k/v cache       a layer's view [num_blocks, block_size, num_kv_heads, head_dim];
  *                   block_stride between blocks, rows of num_kv_heads * head_dim
@@ -24,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv.h"
 #include "pool.h"
 
 #define TILE_Q 32
@@ -35,7 +37,7 @@
 #define KEY_CHUNK 16 /* keys scored together: one vector of floats */
 
 /* paged_decode.c: KV heads [h0, h1) of one decode row; scores is [(h1 - h0) * group, seq_len] scratch. */
-void decode_heads_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+void KV_NAME(decode_heads)(const float *q, float *out, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
                       int64_t row_stride, const int32_t *block_table, int seq_len, int h0, int h1, int group,
                       int head_dim, int block_size, float scale, float *scores);
 int decode_heads_per_item(int num_kv_heads, int group, int head_dim);
@@ -48,7 +50,7 @@ typedef struct {
 typedef struct {
     const float *q;
     float *out;
-    const float *k_cache, *v_cache;
+    const kv_t *k_cache, *v_cache;
     int64_t block_stride, row_stride;
     const int32_t *block_tables;
     int64_t bt_stride;
@@ -99,7 +101,7 @@ static inline int row_valid(int r, int rows, int group, int first_pos, int block
     return valid < 0 ? 0 : valid > n ? n : valid;
 }
 
-static void block_update(const Args *a, Scratch *w, const float *v_base, int rows, int group, int first_pos,
+static void block_update(const Args *a, Scratch *w, const kv_t *v_base, int rows, int group, int first_pos,
                          int block_start, int n, int bsp) {
     const int hd = a->head_dim;
     float S[ROW_GROUP][MAX_BLOCK];
@@ -131,10 +133,10 @@ static void block_update(const Args *a, Scratch *w, const float *v_base, int row
         }
         float *acc0 = w->acc + (int64_t)r0 * hd;
         for (int t = 0; t < max_valid; t++) {
-            const float *v = v_base + (int64_t)t * a->row_stride;
+            const kv_t *v = v_base + (int64_t)t * a->row_stride;
             const float p0 = S[0][t], p1 = S[1][t], p2 = S[2][t], p3 = S[3][t];
             for (int d = 0; d < hd; d++) {
-                const float vd = v[d];
+                const float vd = kv_float(v[d]);
                 acc0[d] += p0 * vd;
                 acc0[hd + d] += p1 * vd;
                 acc0[2 * hd + d] += p2 * vd;
@@ -168,7 +170,7 @@ static inline __m512 exp_ps(__m512 x) {
 /* block_update for head_dim % 64 == 0 over a span of up to MAX_BLOCK keys (several cache blocks; V row
  * t at v_rows[t]): the scores of ROW_GROUP rows x 16 keys and the rows' accumulators (64 dims at a time)
  * stay in registers, and each row's online-softmax update is paid once per span, not per block. */
-static void block_update_fast(Scratch *w, const float *const *v_rows, int hd, int rows, int group, int first_pos,
+static void block_update_fast(Scratch *w, const kv_t *const *v_rows, int hd, int rows, int group, int first_pos,
                                 int block_start, int n, int bsp) {
     float S[ROW_GROUP][MAX_BLOCK];
     for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
@@ -230,9 +232,9 @@ static void block_update_fast(Scratch *w, const float *const *v_rows, int hd, in
                 for (int c = 0; c < 4; c++) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * c), corr);
             }
             for (int t = 0; t < max_valid; t++) {
-                const float *v = v_rows[t] + d0;
-                const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-                const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+                const kv_t *v = v_rows[t] + d0;
+                const __m512 v0 = kv_load16(v), v1 = kv_load16(v + 16);
+                const __m512 v2 = kv_load16(v + 32), v3 = kv_load16(v + 48);
                 for (int i = 0; i < ROW_GROUP; i++) {
                     const __m512 p = _mm512_set1_ps(S[i][t]);
                     acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
@@ -271,7 +273,7 @@ static inline __m256 exp_ps(__m256 x) {
 
 /* The AVX-512 block_update_fast with 8 lanes (head_dim % 16 == 0): ROW_GROUP rows x 16 keys of scores and the
  * rows' accumulators 16 dims at a time in registers; the online-softmax update once per span. */
-static void block_update_fast(Scratch *w, const float *const *v_rows, int hd, int rows, int group, int first_pos,
+static void block_update_fast(Scratch *w, const kv_t *const *v_rows, int hd, int rows, int group, int first_pos,
                               int block_start, int n, int bsp) {
     float S[ROW_GROUP][MAX_BLOCK];
     for (int r0 = 0; r0 < rows; r0 += ROW_GROUP) {
@@ -335,7 +337,7 @@ static void block_update_fast(Scratch *w, const float *const *v_rows, int hd, in
                 acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(src + 8), corr);
             }
             for (int t = 0; t < max_valid; t++) {
-                const __m256 v0 = _mm256_loadu_ps(v_rows[t] + d0), v1 = _mm256_loadu_ps(v_rows[t] + d0 + 8);
+                const __m256 v0 = kv_load8(v_rows[t] + d0), v1 = kv_load8(v_rows[t] + d0 + 8);
 #pragma GCC unroll 4
                 for (int i = 0; i < ROW_GROUP; i++) {
                     const __m256 p = _mm256_broadcast_ss(S[i] + t);
@@ -378,7 +380,7 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
     if (hd % FAST_PREFILL_DIMS == 0) {
         /* Spans of whole blocks, up to MAX_BLOCK keys: K transposed into kt, V rows by pointer. */
         const int span_blocks = MAX_BLOCK / bs;
-        const float *v_rows[MAX_BLOCK];
+        const kv_t *v_rows[MAX_BLOCK];
         for (int b0 = 0; b0 * bs <= last_pos; b0 += span_blocks) {
             const int span_start = b0 * bs;
             const int span_end_pos = seq_len < span_start + span_blocks * bs ? seq_len : span_start + span_blocks * bs;
@@ -388,8 +390,8 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
                 if (t < n) {
                     const int64_t row = (int64_t)table[b0 + t / bs] * a->block_stride + (int64_t)(t % bs) * a->row_stride +
                                         (int64_t)it->kv_head * hd;
-                    const float *k = a->k_cache + row;
-                    for (int d = 0; d < hd; d++) w->kt[(int64_t)d * np + t] = k[d];
+                    const kv_t *k = a->k_cache + row;
+                    for (int d = 0; d < hd; d++) w->kt[(int64_t)d * np + t] = kv_float(k[d]);
                     v_rows[t] = a->v_cache + row;
                 } else {
                     for (int d = 0; d < hd; d++) w->kt[(int64_t)d * np + t] = 0.f;
@@ -403,10 +405,10 @@ static void run_item(const Args *a, const Item *it, Scratch *w) {
         const int block_start = b * bs;
         const int n = seq_len - block_start < bs ? seq_len - block_start : bs;
         const int64_t offset = (int64_t)table[b] * a->block_stride + (int64_t)it->kv_head * hd;
-        const float *k_base = a->k_cache + offset;
+        const kv_t *k_base = a->k_cache + offset;
         for (int t = 0; t < bsp; t++) { /* keys past n are padding: read as zeros */
-            const float *k = k_base + (int64_t)t * a->row_stride;
-            for (int d = 0; d < hd; d++) w->kt[(int64_t)d * bsp + t] = t < n ? k[d] : 0.f;
+            const kv_t *k = k_base + (int64_t)t * a->row_stride;
+            for (int d = 0; d < hd; d++) w->kt[(int64_t)d * bsp + t] = t < n ? kv_float(k[d]) : 0.f;
         }
         block_update(a, w, a->v_cache + offset, rows, group, first_pos, block_start, n, bsp);
     }
@@ -445,7 +447,7 @@ static void prefill_items(void *p, int64_t i0, int64_t i1) {
         if (q_len == 1) { /* single-token rows (decode rows of a mixed step) take the decode path: no K transpose */
             const int64_t offset = (int64_t)a->query_start_loc[it->seq] * a->num_heads * a->head_dim;
             const int h1 = it->kv_head + run->row_heads < a->num_kv_heads ? it->kv_head + run->row_heads : a->num_kv_heads;
-            decode_heads_f32(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
+            KV_NAME(decode_heads)(a->q + offset, a->out + offset, a->k_cache, a->v_cache, a->block_stride, a->row_stride,
                              a->block_tables + (int64_t)it->seq * a->bt_stride, a->seq_lens[it->seq], it->kv_head, h1,
                              group, a->head_dim, a->block_size, a->scale, scores);
         } else if (q_len > 1) {
@@ -455,7 +457,7 @@ static void prefill_items(void *p, int64_t i0, int64_t i1) {
 }
 
 /* Returns 0 on success, 1 if the shapes are outside what this kernel handles, 2 if out of memory. */
-int paged_prefill_f32(const float *q, float *out, const float *k_cache, const float *v_cache, int64_t block_stride,
+int KV_NAME(paged_prefill)(const float *q, float *out, const kv_t *k_cache, const kv_t *v_cache, int64_t block_stride,
                       int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
                       const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs, int num_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale) {
@@ -499,15 +501,22 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
     return atomic_load(&run.failed) ? 2 : 0;
 }
 
-/* Copies each new token's K and V rows (num_kv_heads * head_dim floats) to its slot. */
-void write_kv_f32(const float *key, const float *value, int64_t key_stride, int64_t value_stride, float *k_cache,
-                  float *v_cache,
-                  int64_t block_stride, int64_t row_stride, const int64_t *slot_mapping, int num_tokens,
-                  int row_elems, int block_size) {
+static inline void store_row(kv_t *dst, const float *src, int n) {
+#if KV_BF16
+    for (int d = 0; d < n; d++) dst[d] = kv_from_float(src[d]);
+#else
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+#endif
+}
+
+/* Stores each new token's K and V rows (num_kv_heads * head_dim floats) at its slot, as kv_t. */
+void KV_NAME(write_kv)(const float *key, const float *value, int64_t key_stride, int64_t value_stride, kv_t *k_cache,
+                       kv_t *v_cache, int64_t block_stride, int64_t row_stride, const int64_t *slot_mapping,
+                       int num_tokens, int row_elems, int block_size) {
     for (int i = 0; i < num_tokens; i++) {
         int64_t slot = slot_mapping[i];
         int64_t dst = (slot / block_size) * block_stride + (slot % block_size) * row_stride;
-        memcpy(k_cache + dst, key + (int64_t)i * key_stride, sizeof(float) * (size_t)row_elems);
-        memcpy(v_cache + dst, value + (int64_t)i * value_stride, sizeof(float) * (size_t)row_elems);
+        store_row(k_cache + dst, key + (int64_t)i * key_stride, row_elems);
+        store_row(v_cache + dst, value + (int64_t)i * value_stride, row_elems);
     }
 }

@@ -178,12 +178,15 @@ def test_stop_token_id_ends_output_and_is_not_in_text(checkpoint_factory):
     assert out.text == llm.tokenizer.decode(full.token_ids[:first])
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
 @pytest.mark.parametrize("amx", [True, False])
-def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoint_factory, monkeypatch, amx):
+def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoint_factory, monkeypatch, amx,
+                                                                        kv_cache_dtype):  # fmt: skip
     """The CPU's native kernels are float32: ``auto`` runs a bfloat16 checkpoint there in float32 (twice the
     speed), its projections on AMX where the CPU has it (their inputs rounded to bfloat16, as the
-    checkpoint's dtype would). Without AMX greedy tokens equal transformers' on the checkpoint in float32;
-    with it, transformers' first token in bfloat16 is among ours' top 5, and ours among its."""
+    checkpoint's dtype would), its KV cache in bfloat16 unless asked for float32. With neither AMX nor a
+    bfloat16 cache, greedy tokens equal transformers' on the checkpoint in float32; otherwise transformers'
+    first token (in bfloat16 with AMX, else float32) is among ours' top 5, and ours among its."""
     from transformers import AutoModelForCausalLM
 
     from shared.kernels import cpu_kernels
@@ -192,8 +195,9 @@ def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoin
         pytest.skip("no AMX on this CPU")
     monkeypatch.setattr(cpu_kernels, "_amx", amx and cpu_kernels.amx())
     model_dir = checkpoint_factory("llama", dtype="bfloat16")
-    llm = small_llm(model_dir, dtype="auto")
-    assert llm.engine.dtype_name == "float32" and llm.engine.runner.kv_cache.dtype == torch.float32
+    llm = small_llm(model_dir, dtype="auto", kv_cache_dtype=kv_cache_dtype)
+    kv_dtype = torch.bfloat16 if kv_cache_dtype == "auto" else torch.float32
+    assert llm.engine.dtype_name == "float32" and llm.engine.runner.kv_cache.dtype == kv_dtype
     head = llm.engine.model.output_weight
     assert (cpu_kernels.amx_weight(head) is not None) == amx
     prompts = make_prompts(llm.engine.model_config.vocab_size, set(), count=3, seed=3)
@@ -202,13 +206,45 @@ def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoin
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=reference_dtype).eval()
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
-            if amx:
+            if amx or kv_dtype == torch.bfloat16:
                 logits = hf(torch.tensor([prompt])).logits[0, -1].float()
                 assert int(logits.argmax()) in out.outputs[0].logprobs[0]
                 assert out.outputs[0].token_ids[0] in logits.topk(5).indices.tolist()
             else:
                 expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
                 assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(checkpoint_factory):
+    """A bfloat16 cache of a float32 model: half the bytes a block (so twice the blocks in the same memory), and
+    greedy outputs whose logprobs stay close to the float32 cache's (only K and V are rounded)."""
+    model_dir = checkpoint_factory("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    runs = {}
+    for kv in ("float32", "bfloat16"):
+        llm = small_llm(model_dir, num_blocks=None, kv_cache_memory=1 << 20, kv_cache_dtype=kv)
+        prompts = make_prompts(llm.engine.model_config.vocab_size, set(), count=6, seed=5)
+        runs[kv] = (llm.engine.num_blocks, [out.outputs[0].logprobs[0] for out in llm.generate(prompts, params)])
+    assert runs["bfloat16"][0] == 2 * runs["float32"][0]
+    for exact, rounded in zip(runs["float32"][1], runs["bfloat16"][1], strict=True):
+        top = next(iter(exact))
+        assert top in rounded and next(iter(rounded)) in exact
+        for token_id in exact.keys() & rounded.keys():
+            assert abs(exact[token_id] - rounded[token_id]) < 0.05
+
+
+def test_kv_cache_dtype_on_cuda_must_be_the_models():
+    from shared.engine.engine_core import resolve_kv_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", "float32", "bfloat16", cpu) == "bfloat16"
+    assert resolve_kv_dtype("auto", "float32", "float32", cpu) == "float32"
+    assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", cpu) == "bfloat16"
+    assert resolve_kv_dtype("float32", "float32", "bfloat16", cpu) == "float32"
+    assert resolve_kv_dtype("bfloat16", "float32", "float32", cpu) == "bfloat16"
+    assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", cuda) == "bfloat16"
+    with pytest.raises(ValueError, match="KV cache is the model's dtype"):
+        resolve_kv_dtype("float32", "bfloat16", "bfloat16", cuda)
 
 
 @pytest.mark.parametrize(

@@ -11,26 +11,30 @@ from tests.helpers.paged import SeqChunk, build_metadata
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
 
 
-def _decode_batch(seq_lens, block_size, num_kv_heads, group, head_dim, gen):
-    """One decode row per sequence over shuffled blocks; K/V are strided views of a 3-layer cache's last layer."""
+def _decode_batch(seq_lens, block_size, num_kv_heads, group, head_dim, gen, kv_dtype=torch.float32):
+    """One decode row per sequence over shuffled blocks; K/V are strided views of a 3-layer cache's last layer
+    (of ``kv_dtype``: the reference reads a bfloat16 cache widened to float32, exactly what the kernel reads)."""
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     ids = torch.randperm(sum(blocks_per_seq) + 4, generator=gen).tolist()
     tables = [ids[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])] for i in range(len(seq_lens))]
     meta, _ = build_metadata([SeqChunk(t, s - 1, 1) for t, s in zip(tables, seq_lens, strict=True)], block_size)
-    kv_cache = torch.randn(len(ids), 3, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    kv_cache = torch.randn(len(ids), 3, 2, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
     return meta, kv_cache[:, 2, 0], kv_cache[:, 2, 1], query
 
 
-# Vector paths: head_dim % 16 (scores), % 64 (weighted values), blocks over 16 keys, groups over 4 heads.
+# Vector paths: head_dim % 16 (scores), % 64 (weighted values), blocks over 16 keys, groups over 4 heads;
+# each over a float32 and a bfloat16 cache.
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "block_size,group,head_dim",
     [(4, 1, 16), (16, 2, 32), (16, 4, 64), (8, 3, 32), (16, 3, 64), (32, 6, 128), (8, 5, 24), (64, 1, 192)],
 )
-def test_decode_kernel_matches_reference(block_size, group, head_dim):
+def test_decode_kernel_matches_reference(block_size, group, head_dim, kv_dtype):
     gen = torch.Generator().manual_seed(block_size * 7 + group)
     seq_lens = [1, 5, block_size, 3 * block_size + 1, 97, 40]
-    meta, k_cache, v_cache, query = _decode_batch(seq_lens, block_size, 2, group, head_dim, gen)
+    meta, k_cache, v_cache, query = _decode_batch(seq_lens, block_size, 2, group, head_dim, gen, kv_dtype)
+    assert cpu_kernels.supports(query, k_cache, v_cache)
     ref = torch_ref.paged_attention(query, k_cache, v_cache, meta, 0.3)
     out = cpu_kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, 0.3)
     assert out is not None
@@ -52,11 +56,12 @@ def test_kernel_declines_unsupported_shapes():
 
 
 # Eight or more sequences: each item takes every KV head of a sequence (one contiguous read per cache row).
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 3, 64), (8, 5, 24), (4, 2, 20)])
-def test_decode_rows_do_not_depend_on_the_batch(block_size, group, head_dim):
+def test_decode_rows_do_not_depend_on_the_batch(block_size, group, head_dim, kv_dtype):
     gen = torch.Generator().manual_seed(block_size * 13 + head_dim)
     seq_lens = [1, 7, block_size, 2 * block_size + 3, 97, 40, 33, 5, 64, 12]
-    meta, k_cache, v_cache, query = _decode_batch(seq_lens, block_size, 3, group, head_dim, gen)
+    meta, k_cache, v_cache, query = _decode_batch(seq_lens, block_size, 3, group, head_dim, gen, kv_dtype)
     whole = cpu_kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_cpu, 0.3)
     assert whole is not None
     ref = torch_ref.paged_attention(query, k_cache, v_cache, meta, 0.3)

@@ -25,17 +25,20 @@ def _mixed_batch(block_size: int, gen: torch.Generator):
     return meta, len(ids)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "block_size,group,head_dim",
     [(16, 3, 64), (16, 1, 32), (8, 4, 16), (32, 2, 64), (4, 5, 8), (16, 6, 128), (64, 1, 192)],
 )
-def test_prefill_kernel_matches_reference(block_size, group, head_dim):
+def test_prefill_kernel_matches_reference(block_size, group, head_dim, kv_dtype):
     gen = torch.Generator().manual_seed(block_size * 11 + group)
     meta, num_blocks = _mixed_batch(block_size, gen)
     num_kv_heads = 2
-    kv_cache = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    # A bfloat16 cache: the reference reads it widened to float32, exactly what the kernel reads.
+    kv_cache = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     k_cache, v_cache = kv_cache[:, 1, 0], kv_cache[:, 1, 1]  # strided layer views
     query = torch.randn(sum(meta.query_lens_cpu), num_kv_heads * group, head_dim, generator=gen)
+    assert cpu_kernels.supports(query, k_cache, v_cache)
     ref = torch_ref.paged_attention(query, k_cache, v_cache, meta, 0.2)
     out = cpu_kernels.paged_prefill(
         query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.2
@@ -57,12 +60,15 @@ def test_prefill_kernel_declines_unsupported_shapes():
     torch.testing.assert_close(torch_ref.paged_attention_fast(query, k_cache, v_cache, meta, 0.25), ref)
 
 
-def test_write_kv_matches_reference():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference(kv_dtype):
     gen = torch.Generator().manual_seed(3)
     num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 8
-    ours = torch.zeros(num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    ours = torch.zeros(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, dtype=kv_dtype)
     theirs = ours.clone()
     qkv = torch.randn(7, 3 * num_kv_heads * head_dim, generator=gen)
+    # Values whose bfloat16 rounding is a tie (either way by the even rule), and ones just past a tie.
+    qkv[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20])
     key = qkv[:, : num_kv_heads * head_dim].reshape(7, num_kv_heads, head_dim)  # strided rows, as in the model
     value = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].reshape(7, num_kv_heads, head_dim)
     slots = torch.tensor([5, 6, 7, 8, 20, 0, 23])

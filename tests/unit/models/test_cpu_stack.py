@@ -16,13 +16,13 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 BLOCK_SIZE = 16
 
 
-def _run(model, path: str) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor]:
+def _run(model, path: str, kv_dtype: torch.dtype | None = None) -> tuple[list[dict[int, torch.Tensor]], torch.Tensor]:
     backend = TorchAttentionBackend()
     if path == "modules":
         model._cpu_stacks[type(backend)] = None
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=gen).tolist() for n in (70, 9, 40)]
-    paged = PagedSequences(model, backend, BLOCK_SIZE, max_len=96, num_seqs=3, seed=7)
+    paged = PagedSequences(model, backend, BLOCK_SIZE, max_len=96, num_seqs=3, seed=7, kv_dtype=kv_dtype)
     outs = [
         paged.step({0: prompts[0][:37], 1: prompts[1]}),  # a chunk, a whole prompt
         paged.step({0: prompts[0][37:], 1: [11], 2: prompts[2]}),  # the rest, a decode row, a prompt: mixed
@@ -49,6 +49,28 @@ def test_stack_matches_the_module_forward_exactly(checkpoint_factory, arch, size
         for seq in step_slow:
             assert torch.equal(step_fast[seq], step_slow[seq])
     assert torch.equal(fast_cache, slow_cache)
+
+
+def test_stack_matches_the_module_forward_on_a_bfloat16_cache(checkpoint_factory):
+    """float32 weights over a bfloat16 KV cache: the one call writes and reads it as the modules do."""
+    model_dir = checkpoint_factory("llama")
+    fast_model, _ = load_model(model_dir, dtype="float32")
+    slow_model, _ = load_model(model_dir, dtype="float32")
+    stack = fast_model.cpu_stack(TorchAttentionBackend())
+    if stack is None:
+        pytest.skip("no projection kernel for the native forward here")
+    calls, native = [], stack.native
+    stack.native = lambda *args: calls.append(1) or native(*args)
+    fast, fast_cache = _run(fast_model, "native", torch.bfloat16)
+    assert len(calls) == 4  # every step in the one call
+    slow, slow_cache = _run(slow_model, "modules", torch.bfloat16)
+    assert fast_cache.dtype == torch.bfloat16 and fast_cache.abs().sum() > 0
+    assert all(torch.equal(f[s], w[s]) for f, w in zip(fast, slow, strict=True) for s in w)
+    assert torch.equal(fast_cache, slow_cache)
+    # Close to the float32 cache's logits (only K and V are rounded), and not equal to them.
+    exact, _ = _run(slow_model, "modules")
+    torch.testing.assert_close(slow[-1][0], exact[-1][0], atol=0.05, rtol=0.05)
+    assert not torch.equal(slow[-1][0], exact[-1][0])
 
 
 @pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX on this CPU")
