@@ -77,8 +77,8 @@ static inline __attribute__((always_inline)) void prefetch_kv_block(const kv_t *
 
 #if defined(__AVX512F__)
 
-/* scores[g][t0 .. t0 + n) = scale * q_g . k_t for n <= 16 keys whose rows start at k (row_stride apart). */
-static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride, int n, int group, int head_dim,
+/* scores[g][t0 .. t0 + n) = scale * q_g . k_t for n <= 16 float32 keys whose rows start at k (row_stride apart). */
+static inline void score_rows(const float *q, const float *k, int64_t row_stride, int n, int group, int head_dim,
                               float scale, float *scores, int64_t seq_len, int t0) {
     const int nd = head_dim / 16;
     if (n == 16) { /* a full run of keys: 16 independent FMA chains, each K vector used from L1 per head */
@@ -91,7 +91,7 @@ static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride,
                 const __m512 qv = _mm512_loadu_ps(qg + 16 * c);
 #pragma GCC unroll 16
                 for (int t = 0; t < 16; t++)
-                    p[t] = _mm512_fmadd_ps(qv, kv_load16(k + (int64_t)t * row_stride + 16 * c), p[t]);
+                    p[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + (int64_t)t * row_stride + 16 * c), p[t]);
             }
             _mm512_storeu_ps(scores + (int64_t)g * seq_len + t0, _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale)));
         }
@@ -105,15 +105,30 @@ static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride,
                 p[t] = _mm512_setzero_ps();
                 continue;
             }
-            const kv_t *kt = k + (int64_t)t * row_stride;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv_load16(kt));
-            for (int c = 1; c < nd; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv_load16(kt + 16 * c), acc);
+            const float *kt = k + (int64_t)t * row_stride;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kt));
+            for (int c = 1; c < nd; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kt + 16 * c), acc);
             p[t] = acc;
         }
         const __m512 s = _mm512_mul_ps(sum16(p), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(scores + (int64_t)g * seq_len + t0, (__mmask16)((1u << n) - 1u), s);
     }
 }
+
+#if KV_BF16
+/* score_rows over n <= 16 bfloat16 keys: widened once into a float32 tile (in L1) that every head of the group
+ * reads, rather than widened again for each head. */
+static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride, int n, int group, int head_dim,
+                              float scale, float *scores, int64_t seq_len, int t0) {
+    float tile[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < head_dim; c += 16)
+            _mm512_store_ps(tile + t * head_dim + c, kv_load16(k + (int64_t)t * row_stride + c));
+    score_rows(q, tile, head_dim, n, group, head_dim, scale, scores, seq_len, t0);
+}
+#else
+#define score_keys score_rows
+#endif
 
 /* out[g] = sum_t w[g][t] v_t / sums[g] for head_dim % 64 == 0: up to four heads x 64 dims in registers. */
 static void weigh_values(const float *scores, const kv_t *v_cache, int64_t block_stride, int64_t row_stride,
