@@ -54,8 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default=env_default("--kv-cache-dtype", "auto"),
         choices=["auto", "float32", "bfloat16"],
-        help="KV cache dtype; auto: the model's, but bfloat16 where a bfloat16 checkpoint runs in float32 on the "
-        "CPU (half the bytes per token, the checkpoint's own precision); on CUDA it must be the model's",
+        help="KV cache dtype; auto: the model's, but bfloat16 where --dtype auto runs a bfloat16 checkpoint in "
+        "float32 on the CPU (half the bytes per token, the checkpoint's own precision); on CUDA the model's",
     )
     g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")

@@ -97,14 +97,15 @@ def _resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device, num_p
     return "float32"
 
 
-def resolve_kv_dtype(name: str, dtype_name: str, checkpoint_dtype: str, device: torch.device) -> str:
-    """``auto``: the model's dtype, but bfloat16 for a bfloat16 checkpoint run in float32 on the CPU: its keys
-    and values rounded to the checkpoint's own precision, half the bytes a token (twice the tokens in the same
+def resolve_kv_dtype(name: str, dtype_flag: str, dtype_name: str, checkpoint_dtype: str, device: torch.device) -> str:
+    """``auto``: the model's dtype, but bfloat16 for a bfloat16 checkpoint that ``--dtype auto`` runs in float32
+    on the CPU (``--dtype float32`` asks for float32 weights and cache): its keys and values rounded to the
+    checkpoint's own precision, half the bytes a token (twice the tokens in the same
     ``--kv-cache-memory``, half the memory traffic of decode attention, which at batch 64 is about half a step).
     Decided by the checkpoint and the flags alone, as the dtype is: a prefill and a decode worker must agree. On
     CUDA the cache must be the model's dtype (the Triton kernels read it as the queries' dtype)."""
     if name == "auto":
-        if device.type == "cpu" and checkpoint_dtype == "bfloat16" and dtype_name == "float32":
+        if device.type == "cpu" and dtype_flag == "auto" and checkpoint_dtype == "bfloat16" and dtype_name == "float32":
             return "bfloat16"
         return dtype_name
     if device.type == "cuda" and name != dtype_name:
@@ -133,8 +134,8 @@ class EngineCore:
             # Its projections may run on AMX, which rounds their inputs to bfloat16 as the checkpoint's own
             # dtype would (cpu_kernels.amx_weight); the rest stays float32.
             cpu_kernels.mark_bfloat16_values(self.model.projection_weights())
-        self.kv_dtype_name = resolve_kv_dtype(config.kv_cache_dtype, self.dtype_name, checkpoint.torch_dtype,
-                                              self.device)  # fmt: skip
+        self.kv_dtype_name = resolve_kv_dtype(config.kv_cache_dtype, config.dtype, self.dtype_name,
+                                              checkpoint.torch_dtype, self.device)  # fmt: skip
         kv_dtype = torch_dtype(self.kv_dtype_name)
         self.num_blocks = self._num_blocks(kv_dtype)
         model_len = config.max_model_len or self.model_config.max_position_embeddings

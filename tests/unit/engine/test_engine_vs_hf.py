@@ -233,18 +233,19 @@ def test_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(checkpoint_fac
             assert abs(exact[token_id] - rounded[token_id]) < 0.05
 
 
-def test_kv_cache_dtype_on_cuda_must_be_the_models():
+def test_kv_cache_dtype_rule():
     from shared.engine.engine_core import resolve_kv_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_kv_dtype("auto", "float32", "bfloat16", cpu) == "bfloat16"
-    assert resolve_kv_dtype("auto", "float32", "float32", cpu) == "float32"
-    assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", cpu) == "bfloat16"
-    assert resolve_kv_dtype("float32", "float32", "bfloat16", cpu) == "float32"
-    assert resolve_kv_dtype("bfloat16", "float32", "float32", cpu) == "bfloat16"
-    assert resolve_kv_dtype("auto", "bfloat16", "bfloat16", cuda) == "bfloat16"
+    assert resolve_kv_dtype("auto", "auto", "float32", "bfloat16", cpu) == "bfloat16"
+    assert resolve_kv_dtype("auto", "float32", "float32", "bfloat16", cpu) == "float32"  # asked for float32
+    assert resolve_kv_dtype("auto", "auto", "float32", "float32", cpu) == "float32"
+    assert resolve_kv_dtype("auto", "auto", "bfloat16", "bfloat16", cpu) == "bfloat16"
+    assert resolve_kv_dtype("float32", "auto", "float32", "bfloat16", cpu) == "float32"
+    assert resolve_kv_dtype("bfloat16", "float32", "float32", "float32", cpu) == "bfloat16"
+    assert resolve_kv_dtype("auto", "auto", "bfloat16", "bfloat16", cuda) == "bfloat16"
     with pytest.raises(ValueError, match="KV cache is the model's dtype"):
-        resolve_kv_dtype("float32", "bfloat16", "bfloat16", cuda)
+        resolve_kv_dtype("float32", "auto", "bfloat16", "bfloat16", cuda)
 
 
 @pytest.mark.parametrize(
