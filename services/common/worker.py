@@ -38,6 +38,10 @@ from shared.tracing import Tracing
 
 logger = logging.getLogger("cleave.worker")
 
+# A prefill worker borrows the decode CPUs (--core-share) only for a lone prompt: with more queued, a burst
+# is on, and its hand-offs need the decode CPUs as soon as its first prompt is done.
+PREFILL_BORROW_MAX_REQUESTS = 1
+
 
 def build_parser(role: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -121,6 +125,8 @@ class WorkerBase:
         core.on_step = self.metrics.observe_step
         if args.core_share and core.device.type == "cpu":
             core.core_share = CoreShare(args.core_share, own_threads=torch.get_num_threads(), lib=cpu_kernels.load())
+            if self.role == "prefill":
+                core.core_share.borrow_max_requests = PREFILL_BORROW_MAX_REQUESTS
             logger.info("core_share role=%s lent_cpus=%s", core.core_share.role,
                         flags.format_cpu_list(core.core_share.lent_cpus) or "-")  # fmt: skip
         self.tracing = Tracing(f"cleave-{self.role}-worker", args.otlp_traces_endpoint)

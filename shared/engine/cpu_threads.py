@@ -241,6 +241,8 @@ class CoreShare:
             raise ValueError(f"--core-share {spec!r}: a slot outside the {len(self._map)}-byte file, or its own")
         self.role = "+".join(r for r, on in (("lend", self.slot >= 0), ("borrow", bool(self.lender_slots))) if on)
         self.own_threads = max(1, own_threads)
+        # Borrow only while this engine holds at most this many requests (None: any number); see before_step.
+        self.borrow_max_requests: int | None = None
         self.borrowing = False
         self.changes = 0
         self._clock = clock
@@ -270,13 +272,16 @@ class CoreShare:
                 return False
         return True
 
-    def before_step(self) -> None:
+    def before_step(self, num_requests: int = 0) -> None:
+        """``num_requests``: what the engine holds (running and waiting); above ``borrow_max_requests`` it
+        does not borrow."""
         if self.slot >= 0 and not self.busy:
             self.busy = True
             self._mark(0.0)
         if not self.lender_slots:
             return
-        borrow = self.lenders_idle()
+        few = self.borrow_max_requests is None or num_requests <= self.borrow_max_requests
+        borrow = few and self.lenders_idle()
         if borrow != self.borrowing:
             self.borrowing = borrow
             self.changes += 1

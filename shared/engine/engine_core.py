@@ -350,7 +350,7 @@ class EngineCore:
         if self.thread_governor is not None:
             self.thread_governor.before_step()
         if self.core_share is not None:
-            self.core_share.before_step()
+            self.core_share.before_step(self.scheduler.num_unfinished)
         sched = self.scheduler.schedule()
         try:
             samples = self.runner.execute(sched, before_forward)

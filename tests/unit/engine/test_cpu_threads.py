@@ -226,6 +226,23 @@ def test_core_share_lends_and_borrows_in_one_process(tmp_path):
     assert decode.borrowing and decode_lib.calls[-1] == ("threads", 2)
 
 
+def test_a_prefill_borrower_takes_the_idle_decode_cpus_for_a_lone_prompt_only(tmp_path):
+    """With a queue (a burst), the hand-offs of its first prompts need the decode CPUs at once: no borrowing."""
+    path = _share_file(tmp_path, 2)
+    now = [100.0]
+    lib = RecordingLib()
+    prefill = CoreShare(f"{path}:lend:0:borrow:1:1", lib=lib, clock=lambda: now[0])  # type: ignore[arg-type]
+    prefill.borrow_max_requests = 1
+    CoreShare(f"{path}:lend:1", clock=lambda: now[0]).idle()
+    now[0] += LEND_AFTER_S * 2
+    prefill.before_step(num_requests=5)
+    assert not prefill.borrowing
+    prefill.before_step(num_requests=1)
+    assert prefill.borrowing and lib.calls[-1] == ("threads", 2)
+    prefill.before_step(num_requests=3)  # more arrived: the CPUs go back at once
+    assert not prefill.borrowing and lib.calls[-1] == ("threads", 0)
+
+
 @pytest.mark.parametrize(
     "spec",
     ["{path}:lend", "{path}:share:0", "{path}:lend:5", "{path}:borrow:3:0", "{path}:lend:0:borrow:0-1:2",
