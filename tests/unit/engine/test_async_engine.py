@@ -208,13 +208,17 @@ def test_a_new_request_is_made_and_queued_in_one_command_and_a_duplicate_id_leav
         return real_call(fn)
 
     engine.call = counting_call
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # Long enough that the first request is still running when its first delta is read: the engine
+    # runs ahead of a slow reader, and an id is free again once its request finished.
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def first():
         tokens = []
+        checked = False
         async for delta in engine.generate("dup", [5, 6, 7, 8], params):
             tokens += delta.new_token_ids
-            if len(tokens) == 2:
+            if not checked:
+                checked = True
                 with pytest.raises(InvalidRequestError, match="already in use"):
                     async for _ in engine.generate("dup", [9, 10], params):
                         pass
@@ -222,7 +226,7 @@ def test_a_new_request_is_made_and_queued_in_one_command_and_a_duplicate_id_leav
 
     try:
         n_before = len(commands)
-        assert len(asyncio.run(first())) == 12  # the duplicate neither stole nor aborted its stream
+        assert len(asyncio.run(first())) == 200  # the duplicate neither stole nor aborted its stream
         # one command to admit each request (the first and the refused duplicate), nothing else
         assert len(commands) - n_before == 2
         assert engine.core.stats().num_free_blocks == engine.core.num_blocks
