@@ -113,6 +113,7 @@ class CpuStack:
             and isinstance(attn_backend, torch_ref.TorchAttentionBackend)
             and lib is not None
             and hasattr(lib, "llama_forward_f32")
+            and hasattr(lib, "paged_decode_bf16")  # built from sources whose ForwardArgs has kv_bf16
             and config.num_heads % config.num_kv_heads == 0
             and config.num_heads // config.num_kv_heads <= MAX_GROUP
             and config.head_dim <= MAX_HEAD_DIM
