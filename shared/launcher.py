@@ -66,6 +66,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 # waited behind it. Bursts of 64 on 2 cores, alternating (nice 0 / 10): the hand-off's median ITL
 # 88-97 / 68-90 ms, p99 ITL 66-85 / 58-90 ms, throughput and TTFT within noise.
 PREFILL_NICENESS = 10
+# The router's under the split, where the system allows it (CAP_SYS_NICE; else it keeps the launcher's): it
+# forwards every token of every stream, and on a loaded box it otherwise waits for a time slice behind any
+# process at the default priority (a benchmark client, a sidecar) before it reads a worker's tokens. Eight
+# interleaved bursts of 64 on 2 cores (bfloat16 checkpoint, the client on the same machine): output tok/s
+# higher in six (+5% in all), median TTFT lower in six (-9%), p99 ITL lower in five.
+ROUTER_NICENESS = -5
 
 
 def split_cpus(args: argparse.Namespace, worker_args: list[str]) -> tuple[frozenset[int], frozenset[int]] | None:
@@ -242,10 +248,16 @@ def main(argv: list[str] | None = None) -> int:
             metrics = "off" if info["metrics_port"] == "-1" else f"http://{args.host}:{info['metrics_port']}/metrics"
             print(f"{child.name} ready grpc={info['grpc']} kv_backend={info['kv_backend']} "
                   f"metrics={metrics}", flush=True)  # fmt: skip
-        router = cluster.start("router", "services.router", router_args, prefill_cpus)
+        router = cluster.start(
+            "router", "services.router", router_args, prefill_cpus, ROUTER_NICENESS if split is not None else 0
+        )
         cluster.drain(router)
         base = f"http://{args.host}:{args.port}"
         wait_http_ok(base + "/health", router.proc)
+        if split is not None:
+            raised = os.getpriority(os.PRIO_PROCESS, router.proc.pid) < os.getpriority(os.PRIO_PROCESS, 0)
+            print(f"router niceness {ROUTER_NICENESS}" if raised else
+                  "router at the launcher's priority (raising it needs CAP_SYS_NICE)", flush=True)  # fmt: skip
         print(f"\nCleave is serving {args.model} at {base}/v1\n"
               f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{served_model_name(args.model)}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France? Answer in one sentence.\"}}], \"max_tokens\": 32}}'\n"

@@ -51,7 +51,10 @@ def child_setup(cpus: frozenset[int] | None = None, niceness: int = 0) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     if niceness:
-        os.nice(niceness)
+        try:
+            os.nice(niceness)
+        except PermissionError:  # a higher priority needs CAP_SYS_NICE: keep the launcher's
+            pass
     if sys.platform.startswith("linux"):
         import ctypes
 
