@@ -68,9 +68,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 PREFILL_NICENESS = 10
 # The router's under the split, where the system allows it (CAP_SYS_NICE; else it keeps the launcher's): it
 # forwards every token of every stream, and on a loaded box it otherwise waits for a time slice behind any
-# process at the default priority (a benchmark client, a sidecar) before it reads a worker's tokens. Eight
-# interleaved bursts of 64 on 2 cores (bfloat16 checkpoint, the client on the same machine): output tok/s
-# higher in six (+5% in all), median TTFT lower in six (-9%), p99 ITL lower in five.
+# process at the default priority (a benchmark client, a sidecar) before it reads a worker's tokens. Two runs
+# of eight interleaved bursts of 64 on 2 cores (bfloat16 checkpoint, the client on the same machine): output
+# tok/s +5% and +9%, median TTFT -9% and -11%, p99 ITL lower in five and seven of eight.
 ROUTER_NICENESS = -5
 
 
