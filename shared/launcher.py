@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.drain(router)
         base = f"http://{args.host}:{args.port}"
         wait_http_ok(base + "/health", router.proc)
-        if split is not None:
+        if split is not None and router.proc is not None:
             raised = os.getpriority(os.PRIO_PROCESS, router.proc.pid) < os.getpriority(os.PRIO_PROCESS, 0)
             print(f"router niceness {ROUTER_NICENESS}" if raised else
                   "router at the launcher's priority (raising it needs CAP_SYS_NICE)", flush=True)  # fmt: skip
