@@ -43,20 +43,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face checkpoint directory, a .gguf file, or 'demo' for the random-weight demo model "
         f"(default: SmolLM2-135M-Instruct, converted into {DEFAULT_MODEL_DIR} on first use)",
     )
-    g.add_argument(
-        "--dtype",
-        default=env_default("--dtype", "auto"),
-        choices=["auto", "float32", "bfloat16"],
-        help="weights and KV cache dtype; auto: bfloat16 on CUDA; on CPU float32 (its native kernels), "
+    dtypes = {
+        "--dtype": "weights and KV cache dtype; auto: bfloat16 on CUDA; on CPU float32 (its native kernels), "
         "but bfloat16 for a bfloat16 checkpoint over 1B parameters",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=env_default("--kv-cache-dtype", "auto"),
-        choices=["auto", "float32", "bfloat16"],
-        help="KV cache dtype; auto: the model's, but bfloat16 where --dtype auto runs a bfloat16 checkpoint in "
-        "float32 on the CPU (half the bytes per token, the checkpoint's own precision); on CUDA the model's",
-    )
+        "--kv-cache-dtype": "KV cache dtype; auto: the model's, but bfloat16 where --dtype auto runs a bfloat16 "
+        "checkpoint in float32 on the CPU (half the bytes per token, the checkpoint's own precision); on CUDA "
+        "the model's",
+    }
+    for flag, text in dtypes.items():
+        g.add_argument(flag, default=env_default(flag, "auto"), choices=["auto", "float32", "bfloat16"], help=text)
     g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")
     g.add_argument(
