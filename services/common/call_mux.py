@@ -246,7 +246,11 @@ class GenerateMux:
                         del self._calls[event.call_id]
                     call.deliver(event)
         except grpc.aio.AioRpcError as e:
-            error = e
+            # A stream that fails in the transport (INTERNAL: a call's message sent as the worker closed the
+            # stream) ends its calls as a worker that went away, which the router retries elsewhere; a
+            # call's own status comes as an event, not as the stream's.
+            error = _error(grpc.StatusCode.UNAVAILABLE, f"GenerateMany stream failed: {e.details()}") if (
+                e.code() == grpc.StatusCode.INTERNAL) else e  # fmt: skip
             logger.info("generate_many_broken code=%s calls=%d details=%s", e.code().name, len(self._calls),
                         e.details())  # fmt: skip
         except asyncio.CancelledError:
