@@ -124,9 +124,10 @@ class WorkerBase:
                                      num_blocks=core.num_blocks, backend=self.connector.backend_name)  # fmt: skip
         core.on_step = self.metrics.observe_step
         if args.core_share and core.device.type == "cpu":
-            core.core_share = CoreShare(args.core_share, own_threads=torch.get_num_threads(), lib=cpu_kernels.load())
-            if self.role == "prefill":
-                core.core_share.borrow_max_requests = PREFILL_BORROW_MAX_REQUESTS
+            core.core_share = CoreShare(
+                args.core_share, own_threads=torch.get_num_threads(), lib=cpu_kernels.load(),
+                borrow_max_requests=PREFILL_BORROW_MAX_REQUESTS if self.role == "prefill" else None,
+            )  # fmt: skip
             logger.info("core_share role=%s lent_cpus=%s", core.core_share.role,
                         flags.format_cpu_list(core.core_share.lent_cpus) or "-")  # fmt: skip
         self.tracing = Tracing(f"cleave-{self.role}-worker", args.otlp_traces_endpoint)

@@ -218,6 +218,7 @@ class CoreShare:
         own_threads: int = 1,
         lib: ctypes.CDLL | None = None,
         clock: Callable[[], float] = time.monotonic,
+        borrow_max_requests: int | None = None,
     ) -> None:
         from shared import flags
 
@@ -242,7 +243,7 @@ class CoreShare:
         self.role = "+".join(r for r, on in (("lend", self.slot >= 0), ("borrow", bool(self.lender_slots))) if on)
         self.own_threads = max(1, own_threads)
         # Borrow only while this engine holds at most this many requests (None: any number); see before_step.
-        self.borrow_max_requests: int | None = None
+        self.borrow_max_requests = borrow_max_requests
         self.borrowing = False
         self.changes = 0
         self._clock = clock

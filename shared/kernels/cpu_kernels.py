@@ -4,8 +4,8 @@
 or bfloat16 (the torch path must first gather the blocks into a copy); ``paged_prefill``
 applies causality per key block and shares K/V rows across a GQA group, so it
 needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows (one memcpy
-each into a float32 cache, rounded to nearest even into a bfloat16 one). ``rms_norm`` and ``rope_`` are the model's element-wise ops in
-one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
+each into a float32 cache, rounded to nearest even into a bfloat16 one). ``rms_norm``
+and ``rope_`` are the model's element-wise ops in one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
 ``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
 ``silu_mul`` the MLP's activation on the fused gate|up output; ``linear`` is the float32 projection
 (AVX-512, or AVX2 with FMA; faster than torch's BLAS at these shapes on the CPUs measured, AMD's most of all, and a row's

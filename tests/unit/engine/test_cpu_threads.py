@@ -231,8 +231,7 @@ def test_a_prefill_borrower_takes_the_idle_decode_cpus_for_a_lone_prompt_only(tm
     path = _share_file(tmp_path, 2)
     now = [100.0]
     lib = RecordingLib()
-    prefill = CoreShare(f"{path}:lend:0:borrow:1:1", lib=lib, clock=lambda: now[0])  # type: ignore[arg-type]
-    prefill.borrow_max_requests = 1
+    prefill = CoreShare(f"{path}:lend:0:borrow:1:1", lib=lib, clock=lambda: now[0], borrow_max_requests=1)  # type: ignore[arg-type]
     CoreShare(f"{path}:lend:1", clock=lambda: now[0]).idle()
     now[0] += LEND_AFTER_S * 2
     prefill.before_step(num_requests=5)
