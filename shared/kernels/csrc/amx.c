@@ -86,13 +86,33 @@ typedef struct {
     int m, n;
 } AmxArgs;
 
-static void store_sums(const AmxArgs *a, float (*sums)[16][16], int m0, int n0, int tiles) {
-    const int rows = a->m - m0 < 16 ? a->m - m0 : 16;
-    for (int h = 0; h < tiles; h++) {
-        const int c0 = n0 + h * TILE_N, cols = a->n - c0 < TILE_N ? a->n - c0 : TILE_N;
-        if (cols <= 0) continue;
+/* y's rows [m0, m0 + 16) x columns [n0, n0 + 16 * tiles) from C tiles 0 .. tiles - 1 (tiles 2 and 3, if
+ * any, the next 16 rows): a tile that lies wholly inside y is stored there directly, the rest through
+ * ``sums`` (masked vector stores: a call to memcpy per row cost the tile unit more time than its products). */
+static void store_tiles(const AmxArgs *a, float (*sums)[16][16], int m0, int n0, int tiles) {
+    for (int t = 0; t < tiles; t++) {
+        const int r0 = m0 + (t / 2) * 16, c0 = n0 + (t % 2) * TILE_N;
+        const int rows = a->m - r0 < 16 ? a->m - r0 : 16, cols = a->n - c0 < TILE_N ? a->n - c0 : TILE_N;
+        if (rows <= 0 || cols <= 0) continue;
+        float *dst = a->y + (int64_t)r0 * a->ldy + c0;
+        if (rows == 16 && cols == TILE_N) {
+            switch (t) { /* the tile's number is an immediate */
+            case 0: _tile_stored(0, dst, a->ldy * 4); break;
+            case 1: _tile_stored(1, dst, a->ldy * 4); break;
+            case 2: _tile_stored(2, dst, a->ldy * 4); break;
+            default: _tile_stored(3, dst, a->ldy * 4); break;
+            }
+            continue;
+        }
+        switch (t) {
+        case 0: _tile_stored(0, sums[0], 64); break;
+        case 1: _tile_stored(1, sums[1], 64); break;
+        case 2: _tile_stored(2, sums[2], 64); break;
+        default: _tile_stored(3, sums[3], 64); break;
+        }
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1u);
         for (int r = 0; r < rows; r++)
-            memcpy(a->y + (int64_t)(m0 + r) * a->ldy + c0, sums[h][r], sizeof(float) * (size_t)cols);
+            _mm512_mask_storeu_ps(dst + (int64_t)r * a->ldy, mask, _mm512_loadu_ps(sums[t][r]));
     }
 }
 
@@ -123,12 +143,7 @@ static void amx_pairs(void *p, int64_t p0, int64_t p1) {
                 _tile_dpbf16ps(2, 5, 6);
                 _tile_dpbf16ps(3, 5, 7);
             }
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-            _tile_stored(2, sums[2], 64);
-            _tile_stored(3, sums[3], 64);
-            store_sums(a, sums, m0, n0, 2);
-            store_sums(a, sums + 2, m0 + 16, n0, 2);
+            store_tiles(a, sums, m0, n0, 4);
         }
         if (m0 < a->m) { /* the last 1-16 rows */
             const uint16_t *x0 = a->xb + (int64_t)m0 * a->kp;
@@ -141,9 +156,7 @@ static void amx_pairs(void *p, int64_t p0, int64_t p1) {
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
             }
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-            store_sums(a, sums, m0, n0, 2);
+            store_tiles(a, sums, m0, n0, 2);
         }
     }
     _tile_release();
