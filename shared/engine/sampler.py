@@ -16,7 +16,8 @@ Order of operations on each row's logits:
    top-k, top-p, min-p, then sample with the exponential race
    `argmax(probs / Exponential(1))`, which draws from `probs` exactly.
 
-Rows with a seed draw their noise from their own `torch.Generator`, so their
+Rows with a seed draw their noise from their own `torch.Generator` (on the CPU,
+one 64-bit key from which the native kernel derives the row's noise), so their
 tokens do not depend on what else is in the batch. Before each draw the generator
 is seeded with `token_seed(seed, index of the output token)`: the noise is a
 function of those two numbers only, so a worker that resumes a request (after a
@@ -253,8 +254,23 @@ def greedy_argmax(logits: Tensor) -> Tensor:
     return logits.max(dim=-1).indices  # the same first maximal index as argmax, faster on the CPU
 
 
+_KEY_LOW, _KEY_HIGH = -(2**63), 2**63 - 1
+
+
 def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | None], seeded_rows: list[int]) -> Tensor:
-    """argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i]: [B] int64."""
+    """argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i]: [B] int64.
+
+    On the CPU each row draws one 64-bit key (from its generator, or the global one) and the native
+    kernel derives the row's noise from it (``cpu_kernels.sample_race``): torch's ``exponential_``
+    computes a scalar log per element, which at 32 rows of a 7k vocabulary took longer than the step.
+    """
+    if probs.device.type == "cpu":
+        keys = torch.randint(_KEY_LOW, _KEY_HIGH, (probs.shape[0],), dtype=torch.int64)
+        for row in seeded_rows:
+            keys[row] = torch.randint(_KEY_LOW, _KEY_HIGH, (), dtype=torch.int64, generator=generators[row])
+        ids = cpu_kernels.sample_race(probs, keys)
+        if ids is not None:
+            return ids
     noise = torch.empty_like(probs).exponential_()  # [B, V]
     for row in seeded_rows:
         noise[row].exponential_(generator=generators[row])

@@ -147,6 +147,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows_f32.restype = None
     lib.gather_rows_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32]
     lib.gather_rows_f32.restype = i64
+    if hasattr(lib, "sample_race_f32"):
+        lib.sample_race_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
+        lib.sample_race_f32.restype = i32
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32.restype = None
@@ -346,6 +349,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [rows, n] -> [rows] int64
     assert lib is not None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows_f32(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+def sample_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:  # [rows, n], [rows] -> [rows]
+    """Per row, the index of the largest ``probs / E`` with ``E ~ Exponential(1)`` per element, drawn from
+    the row's int64 key alone (``csrc/sample.c``): token i with probability probs[i]. None where it does
+    not apply."""
+    lib = load()
+    if not (_f32_rows(probs) and probs.shape[1] > 0 and lib is not None and hasattr(lib, "sample_race_f32")):
+        return None
+    keys = keys.to(torch.int64).contiguous()
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    if lib.sample_race_f32(probs.data_ptr(), probs.stride(0), keys.data_ptr(), out.data_ptr(), probs.shape[0],
+                           probs.shape[1]) != 0:  # fmt: skip
+        return None
     return out
 
 

@@ -61,6 +61,8 @@ static int64_t row_argmax(const float *row, int n) {
 }
 #endif
 
+int64_t argmax_row_f32(const float *row, int n) { return row_argmax(row, n); } /* for sample.c */
+
 typedef struct {
     const float *x;
     int64_t stride;
