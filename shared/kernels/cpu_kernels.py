@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "sample_race_f32"):
         lib.sample_race_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
         lib.sample_race_f32.restype = i32
+        lib.filter_top_k_top_p_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
+        lib.filter_top_k_top_p_f32.restype = i32
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32.restype = None
@@ -365,6 +367,20 @@ def sample_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
                            probs.shape[1]) != 0:  # fmt: skip
         return None
     return out
+
+
+def filter_top_k_top_p_(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """In place on ``logits`` [rows, n]: top-k (0: off), then top-p (1: off) per row, the tokens outside set
+    to -inf, as ``sampler.apply_top_k`` then ``apply_top_p`` (ties at either boundary kept) without sorting
+    the vocabulary (``csrc/sample.c``). False where it does not apply (``logits`` then untouched)."""
+    lib = load()
+    if not (_f32_rows(logits) and logits.shape[1] > 0 and lib is not None and hasattr(lib, "filter_top_k_top_p_f32")):
+        return False
+    top_k = top_k.to(torch.int64).contiguous()
+    top_p = top_p.to(torch.float32).contiguous()
+    status = lib.filter_top_k_top_p_f32(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
+                                        logits.shape[0], logits.shape[1])  # fmt: skip
+    return status == 0
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:  # [N, D], [T] -> [T, D]

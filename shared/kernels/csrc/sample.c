@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "pool.h"
 
@@ -70,5 +71,164 @@ static void race_rows(void *ctx, int64_t r0, int64_t r1) {
 int sample_race_f32(const float *p, int64_t stride, const int64_t *keys, int64_t *out, int rows, int n) {
     RaceArgs a = {p, stride, keys, out, n, 0};
     pool_rows(rows, (int64_t)n * 8, race_rows, &a); /* a drawn element costs about eight compared ones */
+    return a.failed ? -1 : 0;
+}
+
+/*
+ * top-k then top-p over rows of logits, in place (what sampler.apply_top_k then apply_top_p compute,
+ * without sorting the vocabulary): tokens outside become -inf. top-k keeps the k largest logits and
+ * any tied with the k-th; top-p then keeps, in descending order, each token whose higher-ranked tokens
+ * hold less than top_p of the remaining probability (so at least one), and any tied with the last kept.
+ *
+ * Per row: e_i = exp(l_i - max) once; a histogram of count and mass over buckets of e (64 per octave,
+ * from its float bits: a larger e never lands in a later bucket) finds the bucket where the k-th token
+ * or the top_p mass falls; only that bucket's tokens are sorted.
+ */
+#define OCTAVE_BUCKETS 64
+#define NUM_BUCKETS (150 * OCTAVE_BUCKETS) /* every positive float, subnormals included */
+
+typedef struct {
+    float logit, e;
+} Token;
+
+typedef struct {
+    float *logits;
+    int64_t stride;
+    const int64_t *top_k;
+    const float *top_p;
+    int n;
+    int failed;
+} FilterArgs;
+
+static inline int bucket_of(float e) { /* 0 for e = 1, then 64 per halving */
+    uint32_t bits;
+    __builtin_memcpy(&bits, &e, sizeof bits);
+    const uint32_t b = (0x3F800000u - bits) >> (23 - 6);
+    return b < NUM_BUCKETS ? (int)b : NUM_BUCKETS - 1;
+}
+
+static int by_logit_descending(const void *a, const void *b) {
+    const float x = ((const Token *)a)->logit, y = ((const Token *)b)->logit;
+    return (x < y) - (x > y);
+}
+
+typedef struct {
+    float *e;
+    uint16_t *bucket;
+    Token *tokens;
+    int capacity;
+    int32_t count[NUM_BUCKETS]; /* zero between rows: a row clears what it used */
+    double mass[NUM_BUCKETS];
+} FilterScratch;
+
+static FilterScratch *filter_scratch(int n) {
+    static __thread FilterScratch s; /* zero-initialised */
+    if (n > s.capacity) {
+        float *e = realloc(s.e, sizeof(float) * (size_t)n);
+        if (e) s.e = e;
+        uint16_t *bucket = realloc(s.bucket, sizeof(uint16_t) * (size_t)n);
+        if (bucket) s.bucket = bucket;
+        Token *tokens = realloc(s.tokens, sizeof(Token) * (size_t)n);
+        if (tokens) s.tokens = tokens;
+        if (!e || !bucket || !tokens) return NULL;
+        s.capacity = n;
+    }
+    return &s;
+}
+
+/* The tokens of bucket b, sorted by logit, descending; their number. */
+static int gather_bucket(const FilterScratch *s, const float *l, int n, int b) {
+    int count = 0;
+    for (int i = 0; i < n; i++)
+        if (s->bucket[i] == b) s->tokens[count++] = (Token){l[i], s->e[i]};
+    qsort(s->tokens, (size_t)count, sizeof(Token), by_logit_descending);
+    return count;
+}
+
+/* -inf marks a removed token here: compiled without the build's finite-math assumption. */
+#define WITH_INFINITIES __attribute__((optimize("no-finite-math-only")))
+
+/* The smallest logit the row keeps (-inf: all). */
+WITH_INFINITIES static float row_threshold(FilterScratch *s, const float *l, int n, int k, float p) {
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++) m = l[i] > m ? l[i] : m;
+    if (!(m > -INFINITY)) return -INFINITY; /* nothing finite (or a NaN): left as it is */
+    for (int i = 0; i < n; i++) s->e[i] = expf(l[i] - m);
+    int32_t *count = s->count;
+    double *mass = s->mass;
+    int used = 0; /* buckets [0, used) may be nonzero */
+    for (int i = 0; i < n; i++) {
+        /* e = 0 (-inf, or below the smallest float): no probability, never counted; kept only where
+         * nothing is removed */
+        const int b = s->e[i] > 0.f ? bucket_of(s->e[i]) : NUM_BUCKETS;
+        s->bucket[i] = (uint16_t)b;
+        if (b < NUM_BUCKETS) {
+            count[b]++, mass[b] += s->e[i];
+            used = b + 1 > used ? b + 1 : used;
+        }
+    }
+    float threshold = -INFINITY;
+    int k_bucket = NUM_BUCKETS, gathered = -1; /* tokens[0 .. gathered) hold bucket k_bucket, sorted */
+    double total = 0.0;
+    if (k > 0) { /* the k-th largest: in the bucket where the count above reaches k */
+        int above = 0, b = 0;
+        for (; b < used - 1 && above + count[b] < k; b++) above += count[b];
+        if (used > 0 && above + count[b] >= k) {
+            k_bucket = b;
+            gathered = gather_bucket(s, l, n, b);
+            threshold = s->tokens[k - above - 1].logit;
+            int kept = k - above;
+            while (kept < gathered && s->tokens[kept].logit >= threshold) kept++; /* ties with the k-th */
+            gathered = kept;
+        }
+    }
+    for (int b = 0; b < k_bucket && b < used; b++) total += mass[b];
+    for (int j = 0; j < gathered; j++) total += s->tokens[j].e;
+    if (p < 1.f) {
+        const double target = (double)p * total;
+        double before = 0.0;
+        int b = 0;
+        for (; b < k_bucket && b < used - 1 && before + mass[b] < target; b++) before += mass[b];
+        int count_b;
+        if (b == k_bucket) {
+            count_b = gathered;
+        } else {
+            count_b = gather_bucket(s, l, n, b);
+        }
+        /* Walk the bucket in order: a token is kept while the mass before it is below the target. */
+        float last = count_b > 0 ? s->tokens[0].logit : threshold;
+        for (int j = 0; j < count_b && before < target; j++) {
+            last = s->tokens[j].logit;
+            before += s->tokens[j].e;
+        }
+        threshold = last > threshold ? last : threshold;
+    }
+    memset(count, 0, sizeof(int32_t) * (size_t)used);
+    memset(mass, 0, sizeof(double) * (size_t)used);
+    return threshold;
+}
+
+WITH_INFINITIES static void filter_rows(void *ctx, int64_t r0, int64_t r1) {
+    FilterArgs *a = ctx;
+    FilterScratch *s = filter_scratch(a->n);
+    if (s == NULL) {
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const int k = a->top_k[r] > 0 && a->top_k[r] < a->n ? (int)a->top_k[r] : 0;
+        const float p = a->top_p[r];
+        if (k == 0 && !(p < 1.f)) continue;
+        float *l = a->logits + r * a->stride;
+        const float threshold = row_threshold(s, l, a->n, k, p);
+        for (int i = 0; i < a->n; i++) l[i] = l[i] < threshold ? -INFINITY : l[i];
+    }
+}
+
+/* logits: [rows, n], rows `stride` apart, filtered in place; top_k (0: none), top_p (1: none): [rows].
+ * 0, or -1 where a thread's scratch could not be allocated (rows then partly filtered). */
+int filter_top_k_top_p_f32(float *logits, int64_t stride, const int64_t *top_k, const float *top_p, int rows, int n) {
+    FilterArgs a = {logits, stride, top_k, top_p, n, 0};
+    pool_rows(rows, (int64_t)n * 8, filter_rows, &a);
     return a.failed ? -1 : 0;
 }

@@ -1,12 +1,13 @@
-"""Random sampling's native draw (csrc/sample.c, ``cpu_kernels.sample_race``): the exponential race over
-a row of probabilities, its noise a function of the row's key alone."""
+"""Random sampling's native kernels (csrc/sample.c): the exponential race over a row of probabilities,
+its noise a function of the row's key alone (``cpu_kernels.sample_race``), and the top-k / top-p filter
+(``cpu_kernels.filter_top_k_top_p_``) against the sampler's sorting filters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.engine.sampler import Sampler, SamplingBatch
+from shared.engine.sampler import Sampler, SamplingBatch, apply_top_k, apply_top_p
 from shared.engine.sampling_params import SamplingParams
 from shared.kernels import cpu_kernels
 
@@ -67,3 +68,40 @@ def test_unseeded_rows_draw_from_the_global_generator():
     assert torch.equal(runs[0], runs[1])
     draws = {tuple(Sampler()(logits, batch).token_ids.tolist()) for _ in range(20)}
     assert len(draws) > 1  # the global generator moves on
+
+
+@pytest.mark.parametrize("vocab", [50, 7168, 128256])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat to peaked rows
+def test_top_k_top_p_filter_matches_the_sorting_filters(vocab, scale):
+    """The native filter keeps what apply_top_k then apply_top_p keep, computed in float64 (their float32
+    cumsum drifts over a long tail: it dropped 11 of 34k tokens of a top_p=0.99 row of 128k)."""
+    gen = torch.Generator().manual_seed(vocab + int(scale * 10))
+    logits = torch.randn(16, vocab, generator=gen) * scale
+    logits[3, : vocab // 2] = float("-inf")  # already removed tokens (a grammar, an earlier filter)
+    top_k = torch.tensor([0, 1, 5, 50, 0, 0, 7, vocab, vocab - 1, 3, 0, 100, 0, 2, 0, 40])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.1, 0.99, 1.0, 0.8, 0.3, 0.999, 1.0, 0.7, 1e-4, 1.0, 0.6, 0.9])
+    reference = apply_top_p(apply_top_k(logits.double(), top_k), top_p.double())
+    filtered = logits.clone()
+    assert cpu_kernels.filter_top_k_top_p_(filtered, top_k, top_p)
+    assert torch.equal(torch.isinf(filtered), torch.isinf(reference))
+    kept = torch.isfinite(filtered)
+    assert torch.equal(filtered[kept], logits[kept])  # kept logits untouched
+
+
+def test_top_k_top_p_filter_ties_strides_and_what_it_declines():
+    wide = torch.zeros(4, 12)
+    logits = wide[:, 1:11]  # strided rows
+    logits[0] = torch.tensor([1.0, 5.0, 3.0, 5.0, 2.0, 3.0, 0.0, 3.0, -1.0, 4.0])
+    logits[1] = logits[0]
+    logits[2] = float("nan")  # left as it is
+    logits[3] = logits[0]
+    top_k = torch.tensor([3, 0, 2, 0])
+    top_p = torch.tensor([1.0, 0.3, 0.5, 1.0])  # row 3: nothing to do
+    before = logits.clone()
+    assert cpu_kernels.filter_top_k_top_p_(logits, top_k, top_p)
+    finite = torch.isfinite(logits)
+    assert finite[0].nonzero().flatten().tolist() == [1, 3, 9]  # the two 5s and the 4 (k = 3)
+    assert finite[1].nonzero().flatten().tolist() == [1, 3]  # one 5 holds 0.35 >= 0.3: its tie is kept too
+    assert logits[2].isnan().all() and torch.equal(logits[3], before[3])
+    assert not cpu_kernels.filter_top_k_top_p_(logits.double(), top_k, top_p)
+    assert not cpu_kernels.filter_top_k_top_p_(logits.t(), torch.zeros(10, dtype=torch.int64), torch.ones(10))
