@@ -257,20 +257,25 @@ def greedy_argmax(logits: Tensor) -> Tensor:
 _KEY_LOW, _KEY_HIGH = -(2**63), 2**63 - 1
 
 
-def sample_exponential_race(probs: Tensor, generators: list[torch.Generator | None], seeded_rows: list[int]) -> Tensor:
-    """argmax(probs / E) with E ~ Exponential(1) picks token i with probability probs[i]: [B] int64.
+def sample_exponential_race(
+    logits: Tensor, temperature: Tensor, generators: list[torch.Generator | None], seeded_rows: list[int]
+) -> Tensor:
+    """A token per row from ``softmax(logits / temperature)`` ([B, V], [B] > 0): argmax(probs / E) with
+    E ~ Exponential(1) picks token i with probability probs[i]: [B] int64.
 
     On the CPU each row draws one 64-bit key (from its generator, or the global one) and the native
-    kernel derives the row's noise from it (``cpu_kernels.sample_race``): torch's ``exponential_``
-    computes a scalar log per element, which at 32 rows of a 7k vocabulary took longer than the step.
+    kernel derives the row's noise from it and reads the logits once (``cpu_kernels.sample_race``):
+    torch's ``exponential_`` computes a scalar log per element, which at 32 rows of a 7k vocabulary
+    took longer than the step.
     """
-    if probs.device.type == "cpu":
-        keys = torch.randint(_KEY_LOW, _KEY_HIGH, (probs.shape[0],), dtype=torch.int64)
+    if logits.device.type == "cpu":
+        keys = torch.randint(_KEY_LOW, _KEY_HIGH, (logits.shape[0],), dtype=torch.int64)
         for row in seeded_rows:
             keys[row] = torch.randint(_KEY_LOW, _KEY_HIGH, (), dtype=torch.int64, generator=generators[row])
-        ids = cpu_kernels.sample_race(probs, keys)
+        ids = cpu_kernels.sample_race(logits, temperature, keys)
         if ids is not None:
             return ids
+    probs = (logits / temperature.unsqueeze(1)).softmax(dim=-1)  # [B, V]
     noise = torch.empty_like(probs).exponential_()  # [B, V]
     for row in seeded_rows:
         noise[row].exponential_(generator=generators[row])
@@ -337,17 +342,19 @@ class Sampler:
             assert greedy_ids is not None
             return greedy_ids
         temperature = torch.where(batch.is_greedy, 1.0, batch.temperature)  # [B], safe divisor
-        scaled = logits / temperature.unsqueeze(1)  # [B, V]
-        if (batch.any_top_k or batch.any_top_p) and not (
-            scaled.device.type == "cpu" and cpu_kernels.filter_top_k_top_p_(scaled, batch.top_k, batch.top_p)
-        ):  # the native filter works on the step's own tensor in place; else torch's sorts
-            if batch.any_top_k:
-                scaled = apply_top_k(scaled, batch.top_k)
-            if batch.any_top_p:
-                scaled = apply_top_p(scaled, batch.top_p)
-        if batch.any_min_p:
-            scaled = apply_min_p(scaled, batch.min_p)
-        sampled_ids = sample_exponential_race(scaled.softmax(dim=-1), batch.generators, batch.seeded_rows)
+        if batch.any_top_k or batch.any_top_p or batch.any_min_p:
+            scaled = logits / temperature.unsqueeze(1)  # [B, V]
+            if (batch.any_top_k or batch.any_top_p) and not (
+                scaled.device.type == "cpu" and cpu_kernels.filter_top_k_top_p_(scaled, batch.top_k, batch.top_p)
+            ):  # the native filter works on the step's own tensor in place; else torch's sorts
+                if batch.any_top_k:
+                    scaled = apply_top_k(scaled, batch.top_k)
+                if batch.any_top_p:
+                    scaled = apply_top_p(scaled, batch.top_p)
+            if batch.any_min_p:
+                scaled = apply_min_p(scaled, batch.min_p)
+            logits, temperature = scaled, torch.ones_like(temperature)
+        sampled_ids = sample_exponential_race(logits, temperature, batch.generators, batch.seeded_rows)
         if greedy_ids is None:
             return sampled_ids
         return torch.where(batch.is_greedy, greedy_ids, sampled_ids)

@@ -148,7 +148,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gather_rows_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32]
     lib.gather_rows_f32.restype = i64
     if hasattr(lib, "sample_race_f32"):
-        lib.sample_race_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
+        lib.sample_race_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32]
         lib.sample_race_f32.restype = i32
         lib.filter_top_k_top_p_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
         lib.filter_top_k_top_p_f32.restype = i32
@@ -354,17 +354,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [rows, n] -> [rows] int64
     return out
 
 
-def sample_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:  # [rows, n], [rows] -> [rows]
-    """Per row, the index of the largest ``probs / E`` with ``E ~ Exponential(1)`` per element, drawn from
-    the row's int64 key alone (``csrc/sample.c``): token i with probability probs[i]. None where it does
-    not apply."""
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """Per row of ``logits`` [rows, n], a token drawn from ``softmax(logits / temperature)`` ([rows], > 0) by
+    the exponential race, its noise derived from the row's int64 key alone (``csrc/sample.c``): [rows]
+    int64. None where it does not apply."""
     lib = load()
-    if not (_f32_rows(probs) and probs.shape[1] > 0 and lib is not None and hasattr(lib, "sample_race_f32")):
+    if not (_f32_rows(logits) and logits.shape[1] > 0 and lib is not None and hasattr(lib, "sample_race_f32")):
         return None
+    inverse = (1.0 / temperature.to(torch.float32)).contiguous()
     keys = keys.to(torch.int64).contiguous()
-    out = torch.empty(probs.shape[0], dtype=torch.int64)
-    if lib.sample_race_f32(probs.data_ptr(), probs.stride(0), keys.data_ptr(), out.data_ptr(), probs.shape[0],
-                           probs.shape[1]) != 0:  # fmt: skip
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if lib.sample_race_f32(logits.data_ptr(), logits.stride(0), inverse.data_ptr(), keys.data_ptr(), out.data_ptr(),
+                           logits.shape[0], logits.shape[1]) != 0:  # fmt: skip
         return None
     return out
 

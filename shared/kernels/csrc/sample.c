@@ -1,13 +1,15 @@
 /*
- * Random sampling's draw on the CPU (float32 probabilities): for each row, the index of the largest
- * p_i / E_i where the E_i ~ Exponential(1) are drawn independently per element — the exponential race,
- * in which token i wins with probability p_i (torch's exponential_ draws each E_i with a scalar log,
- * about 8 ms for 32 rows of a 7k vocabulary, longer than the model's step).
+ * Random sampling's draw on the CPU, from float32 logits and a per-row inverse temperature: for each row,
+ * the index of the largest p_i / E_i, where p_i = exp((l_i - max) * inv_temperature) (the softmax up to
+ * the row's constant, which does not move the argmax) and the E_i ~ Exponential(1) are drawn
+ * independently per element — the exponential race, in which token i wins with probability
+ * softmax_i. torch's exponential_ draws each E_i with a scalar log: about 8 ms for 32 rows of a 7k
+ * vocabulary, longer than the model's step; the division and the softmax before it were two more passes.
  *
  * A row's noise is a function of its 64-bit key alone, so a row draws the same tokens in any batch:
  * element i's uniform u_i is the top 24 bits of splitmix64's output i for that key, taken at the middle
- * of its interval (never 0 or 1), and E_i = -log(u_i), in (3e-8, 17.3). A zero probability never wins
- * over a positive one; a NaN wins, as in torch's argmax of the quotients.
+ * of its interval (never 0 or 1), and E_i = -log(u_i), in (3e-8, 17.3). A -inf logit never wins over a
+ * finite one; a NaN score wins, as in torch's argmax.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,8 +29,9 @@ static inline uint64_t mix64(uint64_t z) {
 }
 
 typedef struct {
-    const float *p;
+    const float *logits;
     int64_t stride;
+    const float *inv_temperature;
     const int64_t *keys;
     int64_t *out;
     int n;
@@ -47,7 +50,10 @@ static float *thread_scores(int n) {
     return buffer;
 }
 
-static void race_rows(void *ctx, int64_t r0, int64_t r1) {
+/* -inf marks a removed token here: compiled without the build's finite-math assumption. */
+#define WITH_INFINITIES __attribute__((optimize("no-finite-math-only")))
+
+WITH_INFINITIES static void race_rows(void *ctx, int64_t r0, int64_t r1) {
     RaceArgs *a = ctx;
     float *scores = thread_scores(a->n);
     if (scores == NULL) {
@@ -55,21 +61,24 @@ static void race_rows(void *ctx, int64_t r0, int64_t r1) {
         return;
     }
     for (int64_t r = r0; r < r1; r++) {
-        const float *p = a->p + r * a->stride;
+        const float *l = a->logits + r * a->stride, s = a->inv_temperature[r];
+        float m = -INFINITY;
+        for (int i = 0; i < a->n; i++) m = l[i] > m ? l[i] : m;
         const uint64_t state = mix64((uint64_t)a->keys[r]);
         for (int i = 0; i < a->n; i++) {
             const uint64_t bits = mix64(state + (uint64_t)(i + 1) * GOLDEN);
             const float u = ((float)(uint32_t)(bits >> 40) + 0.5f) * 0x1p-24f;
-            scores[i] = p[i] / -logf(u);
+            scores[i] = expf((l[i] - m) * s) / -logf(u);
         }
         a->out[r] = argmax_row_f32(scores, a->n);
     }
 }
 
-/* p: [rows, n] with rows `stride` apart, n >= 1; keys, out: [rows]. 0, or -1 where a thread's scores
- * buffer could not be allocated (out then incomplete). */
-int sample_race_f32(const float *p, int64_t stride, const int64_t *keys, int64_t *out, int rows, int n) {
-    RaceArgs a = {p, stride, keys, out, n, 0};
+/* logits: [rows, n] with rows `stride` apart, n >= 1; inv_temperature, keys, out: [rows]. 0, or -1 where
+ * a thread's scores buffer could not be allocated (out then incomplete). */
+int sample_race_f32(const float *logits, int64_t stride, const float *inv_temperature, const int64_t *keys,
+                    int64_t *out, int rows, int n) {
+    RaceArgs a = {logits, stride, inv_temperature, keys, out, n, 0};
     pool_rows(rows, (int64_t)n * 8, race_rows, &a); /* a drawn element costs about eight compared ones */
     return a.failed ? -1 : 0;
 }
@@ -144,9 +153,6 @@ static int gather_bucket(const FilterScratch *s, const float *l, int n, int b) {
     qsort(s->tokens, (size_t)count, sizeof(Token), by_logit_descending);
     return count;
 }
-
-/* -inf marks a removed token here: compiled without the build's finite-math assumption. */
-#define WITH_INFINITIES __attribute__((optimize("no-finite-math-only")))
 
 /* The smallest logit the row keeps (-inf: all). */
 WITH_INFINITIES static float row_threshold(FilterScratch *s, const float *l, int n, int k, float p) {

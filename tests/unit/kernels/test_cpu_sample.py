@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compile
 def test_frequencies_follow_the_probabilities():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
     draws = 100_000
-    ids = cpu_kernels.sample_race(probs.expand(draws, 6).contiguous(), torch.arange(draws))
+    logits = probs.log().expand(draws, 6).contiguous()  # the zero probability: a -inf logit
+    ids = cpu_kernels.sample_race(logits, torch.ones(draws), torch.arange(draws))
     assert ids is not None and ids.dtype == torch.int64
     frequencies = torch.bincount(ids, minlength=6).double() / draws
     # Four standard deviations of a binomial frequency at most; a zero probability never wins.
@@ -28,31 +29,45 @@ def test_frequencies_follow_the_probabilities():
 
 def test_a_row_draws_from_its_key_alone():
     gen = torch.Generator().manual_seed(0)
-    probs = torch.randn(40, 7168, generator=gen).softmax(dim=-1)
+    logits = torch.randn(40, 7168, generator=gen) * 0.1
+    temperature = torch.rand(40, generator=gen) + 0.5
     keys = torch.randint(-(2**63), 2**63 - 1, (40,), generator=gen)
-    together = cpu_kernels.sample_race(probs, keys)  # 40 x 7168 runs on the pool
+    together = cpu_kernels.sample_race(logits, temperature, keys)  # 40 x 7168 runs on the pool
     assert together is not None
     for r in (0, 17, 39):
-        alone = cpu_kernels.sample_race(probs[r : r + 1], keys[r : r + 1])
+        alone = cpu_kernels.sample_race(logits[r : r + 1], temperature[r : r + 1], keys[r : r + 1])
         assert alone is not None and alone.item() == together[r].item()
-    again = cpu_kernels.sample_race(probs, keys)
+    again = cpu_kernels.sample_race(logits, temperature, keys)
     assert again is not None and torch.equal(again, together)
-    other = cpu_kernels.sample_race(probs, keys + 1)
+    other = cpu_kernels.sample_race(logits, temperature, keys + 1)
     assert other is not None and not torch.equal(other, together)  # 40 rows of a flat distribution
 
 
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    draws = 60_000
+    for temperature in (0.5, 2.0):
+        ids = cpu_kernels.sample_race(logits.expand(draws, 3).contiguous(), torch.full((draws,), temperature),
+                                      torch.arange(draws) * 7)  # fmt: skip
+        assert ids is not None
+        frequencies = torch.bincount(ids, minlength=3).double() / draws
+        expected = (logits.double() / temperature).softmax(dim=-1)
+        assert ((frequencies - expected).abs() <= 4 * (expected * (1 - expected) / draws).sqrt()).all()
+
+
 def test_strided_rows_edge_values_and_what_it_declines():
-    wide = torch.zeros(4, 12)
-    probs = wide[:, 1:11]  # strided rows
-    probs[0, 3] = 1.0  # a sure token
-    probs[1, 9] = 1.0  # in the last position
-    probs[2] = 0.1
-    probs[3, 2] = float("nan")  # a NaN wins, as in torch's argmax of the quotients
-    ids = cpu_kernels.sample_race(probs, torch.tensor([5, 6, 7, 8]))
+    wide = torch.full((4, 12), float("-inf"))
+    logits = wide[:, 1:11]  # strided rows
+    logits[0, 3] = 0.0  # the one token left
+    logits[1, 9] = 5.0  # in the last position
+    logits[2] = 0.1
+    logits[3, 2] = float("nan")  # a broken row still gets an index
+    ones = torch.ones(4)
+    ids = cpu_kernels.sample_race(logits, ones, torch.tensor([5, 6, 7, 8]))
     assert ids is not None
-    assert ids[0] == 3 and ids[1] == 9 and 0 <= ids[2] < 10 and ids[3] == 2
-    assert cpu_kernels.sample_race(probs.double(), torch.zeros(4, dtype=torch.int64)) is None
-    assert cpu_kernels.sample_race(probs.t(), torch.zeros(10, dtype=torch.int64)) is None
+    assert ids[0] == 3 and ids[1] == 9 and 0 <= ids[2] < 10 and 0 <= ids[3] < 10
+    assert cpu_kernels.sample_race(logits.double(), ones, torch.zeros(4, dtype=torch.int64)) is None
+    assert cpu_kernels.sample_race(logits.t(), torch.ones(10), torch.zeros(10, dtype=torch.int64)) is None
 
 
 def test_unseeded_rows_draw_from_the_global_generator():
