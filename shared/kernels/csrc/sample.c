@@ -126,12 +126,21 @@ typedef struct {
     uint16_t *bucket;
     Token *tokens;
     int capacity;
-    int32_t count[NUM_BUCKETS]; /* zero between rows: a row clears what it used */
-    double mass[NUM_BUCKETS];
+    int32_t *count; /* [NUM_BUCKETS], zero between rows: a row clears what it used */
+    double *mass;
 } FilterScratch;
 
 static FilterScratch *filter_scratch(int n) {
-    static __thread FilterScratch s; /* zero-initialised */
+    static __thread FilterScratch s;
+    if (s.count == NULL) {
+        s.count = calloc(NUM_BUCKETS, sizeof(int32_t));
+        s.mass = calloc(NUM_BUCKETS, sizeof(double));
+        if (s.count == NULL || s.mass == NULL) {
+            free(s.count), free(s.mass);
+            s.count = NULL, s.mass = NULL;
+            return NULL;
+        }
+    }
     if (n > s.capacity) {
         float *e = realloc(s.e, sizeof(float) * (size_t)n);
         if (e) s.e = e;
