@@ -242,7 +242,7 @@ class ModelRunner:
         )
         if any(m is not None for m in matchers):
             self._add_bitmask(batch, matchers, logits.shape[-1])
-        out = self.sampler(logits, batch)
+        out = self.sampler(logits, batch, inplace=True)  # the step's own logits
         return self._collect(sched, out, batch)
 
     def take_embeddings(self) -> dict[str, list[float]]:

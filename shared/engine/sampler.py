@@ -122,8 +122,12 @@ class SamplingBatch:
     any_min_p: bool
     generators: list[torch.Generator | None]  # per row; None draws from the global RNG
     seeded_rows: list[int]  # rows that sample (not greedy) with their own generator
-    output_token_counts: Tensor | None  # [B, V] float32, set when any frequency/presence penalty
-    seen_token_mask: Tensor | None  # [B, V] bool, prompt or output; set when any repetition penalty
+    prompt_token_ids: list[list[int]]  # per row, for the penalties
+    output_token_ids: list[list[int]]
+    any_repetition: bool
+    any_frequency_presence: bool
+    output_token_counts: Tensor | None  # [B, V] float32; made by apply_penalties where the CPU kernel does not apply
+    seen_token_mask: Tensor | None  # [B, V] bool, prompt or output; made as output_token_counts
     min_tokens_rows: Tensor | None  # [N] int64, with min_tokens_token_ids: logits to set to -inf
     min_tokens_token_ids: Tensor | None  # [N] int64
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None if no row asks
@@ -153,13 +157,6 @@ class SamplingBatch:
         any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         any_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
 
-        output_counts = None
-        if any_freq_pres or any_repetition:
-            output_counts = _token_counts(output_token_ids, vocab_size, device)  # [B, V]
-        seen_mask = None
-        if any_repetition:
-            assert output_counts is not None
-            seen_mask = (_token_counts(prompt_token_ids, vocab_size, device) > 0) | (output_counts > 0)  # [B, V]
         min_tokens = _min_tokens_targets(params, output_token_ids, eos_token_ids, vocab_size, device)
         asked_logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
@@ -178,10 +175,14 @@ class SamplingBatch:
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0.0 for p in params),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            any_repetition=any_repetition,
+            any_frequency_presence=any_freq_pres,
             generators=list(generators),
             seeded_rows=[row for row, g in enumerate(generators) if g is not None and not is_greedy_list[row]],
-            output_token_counts=output_counts if any_freq_pres else None,
-            seen_token_mask=seen_mask,
+            output_token_counts=None,  # the penalties' count tensors: made when applied without the CPU kernel
+            seen_token_mask=None,
             min_tokens_rows=min_tokens[0] if min_tokens else None,
             min_tokens_token_ids=min_tokens[1] if min_tokens else None,
             max_num_logprobs=max(asked_logprobs) if asked_logprobs else None,
@@ -295,17 +296,40 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Ten
     return logits
 
 
-def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Token controls, min_tokens suppression, then penalties: [B, V], the distribution that logprobs report."""
+def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch, inplace: bool = False) -> Tensor:
+    """Token controls, min_tokens suppression, then penalties: [B, V], the distribution that logprobs report.
+    ``inplace``: ``logits`` is the caller's to overwrite (the CPU penalties then skip a copy)."""
     if batch.token_constraints is not None:
         logits = apply_token_constraints(logits, batch.token_constraints)
     if batch.min_tokens_rows is not None:
         assert batch.min_tokens_token_ids is not None
         suppressed = (batch.min_tokens_rows, batch.min_tokens_token_ids)
         logits = logits.index_put(suppressed, torch.tensor(_NEG_INF, device=logits.device))
-    if batch.seen_token_mask is not None:
+    if batch.any_penalties:
+        logits = apply_penalties(logits, batch, inplace)
+    return logits
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch, inplace: bool = False) -> Tensor:
+    """Repetition, then frequency and presence penalties: on the CPU from each row's token ids
+    (``cpu_kernels.apply_penalties_``, which touches only the tokens a row has seen; on a copy unless
+    ``inplace``), else over [B, V] count tensors (made once per batch)."""
+    if logits.device.type == "cpu":
+        penalised = logits if inplace else logits.clone()
+        if cpu_kernels.apply_penalties_(
+            penalised, batch.prompt_token_ids, batch.output_token_ids, batch.repetition_penalty,
+            batch.frequency_penalty, batch.presence_penalty,
+        ):  # fmt: skip
+            return penalised
+    vocab_size, device = logits.shape[-1], logits.device
+    if batch.output_token_counts is None:
+        batch.output_token_counts = _token_counts(batch.output_token_ids, vocab_size, device)  # [B, V]
+    if batch.any_repetition:
+        if batch.seen_token_mask is None:
+            prompt_counts = _token_counts(batch.prompt_token_ids, vocab_size, device)
+            batch.seen_token_mask = (prompt_counts > 0) | (batch.output_token_counts > 0)  # [B, V]
         logits = apply_repetition_penalty(logits, batch.seen_token_mask, batch.repetition_penalty)
-    if batch.output_token_counts is not None:
+    if batch.any_frequency_presence:
         logits = apply_frequency_presence_penalties(
             logits, batch.output_token_counts, batch.frequency_penalty, batch.presence_penalty
         )
@@ -315,12 +339,13 @@ def apply_min_tokens_and_penalties(logits: Tensor, batch: SamplingBatch) -> Tens
 class Sampler:
     """Turns one step's logits into tokens and logprobs; stateless."""
 
-    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: Tensor, batch: SamplingBatch, inplace: bool = False) -> SamplerOutput:
+        """``inplace``: ``logits`` is the caller's to overwrite (the runner's, made for this step)."""
         if batch.token_bitmask is not None:
             assert batch.constrained_rows is not None
             # The runner's logits are this step's own tensor: masking them in place is safe.
             logits = apply_token_bitmask(logits, batch.token_bitmask, batch.constrained_rows)  # [B, V]
-        logits = apply_min_tokens_and_penalties(logits, batch)  # [B, V]
+        logits = apply_min_tokens_and_penalties(logits, batch, inplace)  # [B, V]
         token_ids = self._sample(logits, batch)  # [B]
         top_token_ids = top_logprobs = None
         if batch.max_num_logprobs is None:

@@ -30,8 +30,10 @@ import subprocess
 import tempfile
 import threading
 import weakref
+from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("cleave.kernels")
@@ -152,6 +154,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.sample_race_f32.restype = i32
         lib.filter_top_k_top_p_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
         lib.filter_top_k_top_p_f32.restype = i32
+        lib.apply_penalties_f32.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+        lib.apply_penalties_f32.restype = i32
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32.restype = None
@@ -381,6 +385,38 @@ def filter_top_k_top_p_(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     top_p = top_p.to(torch.float32).contiguous()
     status = lib.filter_top_k_top_p_f32(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
                                         logits.shape[0], logits.shape[1])  # fmt: skip
+    return status == 0
+
+
+def _flat_ids(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's ids in one int64 tensor, and the [rows + 1] offsets where each row's start."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(offsets[-1]))  # a list of ints fastest
+    return torch.from_numpy(ids), torch.from_numpy(offsets)
+
+
+def apply_penalties_(
+    logits: torch.Tensor,  # [rows, n] float32, penalised in place
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    repetition: torch.Tensor,  # [rows], 1: off
+    frequency: torch.Tensor,  # [rows], 0: off
+    presence: torch.Tensor,  # [rows], 0: off
+) -> bool:
+    """HF's repetition penalty on each row's prompt and output tokens, then OpenAI's frequency and presence
+    penalties on its output tokens, touching only those tokens (``csrc/sample.c``): the same values as
+    the sampler's [rows, n] count tensors give. False where it does not apply (``logits`` untouched)."""
+    lib = load()
+    if not (_f32_rows(logits) and lib is not None and hasattr(lib, "apply_penalties_f32")):
+        return False
+    repeats = bool((repetition != 1.0).any())
+    prompt, prompt_offsets = _flat_ids(prompt_ids if repeats else [[] for _ in prompt_ids])
+    output, output_offsets = _flat_ids(output_ids)
+    penalties = [t.to(torch.float32).contiguous() for t in (repetition, frequency, presence)]
+    status = lib.apply_penalties_f32(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                                     prompt.data_ptr(), prompt_offsets.data_ptr(), output.data_ptr(),
+                                     output_offsets.data_ptr(), *(t.data_ptr() for t in penalties))  # fmt: skip
     return status == 0
 
 

@@ -247,3 +247,87 @@ int filter_top_k_top_p_f32(float *logits, int64_t stride, const int64_t *top_k, 
     pool_rows(rows, (int64_t)n * 8, filter_rows, &a);
     return a.failed ? -1 : 0;
 }
+
+/*
+ * Penalties on rows of logits, in place, from each row's token ids (what sampler.apply_repetition_penalty
+ * then apply_frequency_presence_penalties compute over [rows, n] count tensors, touching only the tokens
+ * a row has seen): HF's repetition penalty on every token of the row's prompt or output (a positive logit
+ * divided by it, another multiplied), then OpenAI's penalties on its output tokens, logit - frequency x
+ * count - presence. The same float operations in the same order as those (no contraction into FMAs), so
+ * the same bits. Ids outside [0, n) are skipped.
+ */
+typedef struct {
+    float *logits;
+    int64_t stride;
+    const int64_t *prompt_ids, *prompt_offsets, *output_ids, *output_offsets;
+    const float *repetition, *frequency, *presence;
+    int n;
+    int failed;
+} PenaltyArgs;
+
+static int32_t *penalty_counts(int n) { /* zero between rows: a row clears what it set */
+    static __thread int32_t *counts = NULL;
+    static __thread int capacity = 0;
+    if (n > capacity) {
+        int32_t *grown = calloc((size_t)n, sizeof(int32_t));
+        if (grown == NULL) return NULL;
+        free(counts);
+        counts = grown;
+        capacity = n;
+    }
+    return counts;
+}
+
+#define EXACT_FLOATS __attribute__((optimize("no-fast-math", "fp-contract=off")))
+
+EXACT_FLOATS static void penalty_rows(void *ctx, int64_t r0, int64_t r1) {
+    PenaltyArgs *a = ctx;
+    int32_t *counts = penalty_counts(a->n);
+    if (counts == NULL) {
+        __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        float *l = a->logits + r * a->stride;
+        const int64_t *out = a->output_ids + a->output_offsets[r];
+        const int64_t num_out = a->output_offsets[r + 1] - a->output_offsets[r];
+        const float repetition = a->repetition[r], frequency = a->frequency[r], presence = a->presence[r];
+        for (int64_t j = 0; j < num_out; j++)
+            if (out[j] >= 0 && out[j] < a->n) counts[out[j]]++;
+        if (repetition != 1.f) { /* every seen token once: its count goes negative (-1) once penalised */
+            const int64_t *prompt = a->prompt_ids + a->prompt_offsets[r];
+            const int64_t num_prompt = a->prompt_offsets[r + 1] - a->prompt_offsets[r];
+            for (int pass = 0; pass < 2; pass++) {
+                const int64_t *ids = pass ? out : prompt, num = pass ? num_out : num_prompt;
+                for (int64_t j = 0; j < num; j++) {
+                    const int64_t id = ids[j];
+                    if (id < 0 || id >= a->n || counts[id] < 0) continue;
+                    l[id] = l[id] > 0.f ? l[id] / repetition : l[id] * repetition;
+                    counts[id] = -1 - counts[id]; /* -1 - count: penalised, count kept */
+                }
+            }
+            for (int64_t j = 0; j < num_prompt; j++) /* prompt-only tokens back to zero */
+                if (prompt[j] >= 0 && prompt[j] < a->n && counts[prompt[j]] == -1) counts[prompt[j]] = 0;
+        }
+        for (int64_t j = 0; j < num_out; j++) {
+            const int64_t id = out[j];
+            if (id < 0 || id >= a->n || counts[id] == 0) continue;
+            const int32_t count = counts[id] < 0 ? -1 - counts[id] : counts[id];
+            if (frequency != 0.f || presence != 0.f)
+                l[id] = (l[id] - frequency * (float)count) - presence * 1.f;
+            counts[id] = 0;
+        }
+    }
+}
+
+/* logits: [rows, n] (rows `stride` apart); prompt_ids / output_ids: every row's ids, row r's from
+ * offsets[r] to offsets[r + 1]; repetition, frequency, presence: [rows] (1, 0, 0: off). 0, or -1 where
+ * a thread's counts could not be allocated (rows then partly penalised). */
+int apply_penalties_f32(float *logits, int64_t stride, int rows, int n, const int64_t *prompt_ids,
+                        const int64_t *prompt_offsets, const int64_t *output_ids, const int64_t *output_offsets,
+                        const float *repetition, const float *frequency, const float *presence) {
+    PenaltyArgs a = {logits, stride, prompt_ids, prompt_offsets, output_ids, output_offsets,
+                     repetition, frequency, presence, n, 0};
+    penalty_rows(&a, 0, rows); /* a few hundred ids a row: not worth a parallel loop */
+    return a.failed ? -1 : 0;
+}

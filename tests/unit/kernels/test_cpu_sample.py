@@ -1,13 +1,21 @@
-"""Random sampling's native kernels (csrc/sample.c): the exponential race over a row of probabilities,
-its noise a function of the row's key alone (``cpu_kernels.sample_race``), and the top-k / top-p filter
-(``cpu_kernels.filter_top_k_top_p_``) against the sampler's sorting filters."""
+"""Sampling's native kernels (csrc/sample.c): the exponential race over a row of logits, its noise a
+function of the row's key alone (``cpu_kernels.sample_race``), the top-k / top-p filter
+(``cpu_kernels.filter_top_k_top_p_``) against the sampler's sorting filters, and the penalties
+(``cpu_kernels.apply_penalties_``) against its count tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shared.engine.sampler import Sampler, SamplingBatch, apply_top_k, apply_top_p
+from shared.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_frequency_presence_penalties,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+)
 from shared.engine.sampling_params import SamplingParams
 from shared.kernels import cpu_kernels
 
@@ -120,3 +128,31 @@ def test_top_k_top_p_filter_ties_strides_and_what_it_declines():
     assert logits[2].isnan().all() and torch.equal(logits[3], before[3])
     assert not cpu_kernels.filter_top_k_top_p_(logits.double(), top_k, top_p)
     assert not cpu_kernels.filter_top_k_top_p_(logits.t(), torch.zeros(10, dtype=torch.int64), torch.ones(10))
+
+
+def test_penalties_match_the_count_tensors_bit_for_bit():
+    """The native penalties give the same bits as apply_repetition_penalty then
+    apply_frequency_presence_penalties over [rows, n] count tensors, row by row whatever its mix."""
+    vocab, rows = 3000, 7
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(rows, vocab, generator=gen) * 4
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in (0, 5, 300, 40, 2, 0, 17)]
+    outputs = [torch.randint(0, 60, (int(n),), generator=gen).tolist() for n in (9, 0, 200, 33, 4, 1, 0)]
+    outputs[3] += prompts[3][:5]  # tokens in both
+    prompts[4] += [vocab + 5, -1]  # outside the vocabulary: skipped
+    repetition = torch.tensor([1.0, 1.3, 1.1, 0.8, 2.0, 1.0, 1.5])
+    frequency = torch.tensor([0.5, 0.0, 0.2, -0.4, 0.0, 1.5, 0.3])
+    presence = torch.tensor([0.0, 0.0, 0.7, 0.25, 1.0, -0.5, 0.0])
+    in_vocab = [[t for t in p if 0 <= t < vocab] for p in prompts]
+    prompt_seen = torch.zeros(rows, vocab, dtype=torch.bool)
+    counts = torch.zeros(rows, vocab)
+    for r in range(rows):
+        prompt_seen[r, in_vocab[r]] = True
+        for t in outputs[r]:
+            counts[r, t] += 1
+    reference = apply_repetition_penalty(logits, prompt_seen | (counts > 0), repetition)
+    reference = apply_frequency_presence_penalties(reference, counts, frequency, presence)
+    penalised = logits.clone()
+    assert cpu_kernels.apply_penalties_(penalised, prompts, outputs, repetition, frequency, presence)
+    assert torch.equal(penalised, reference)
+    assert not cpu_kernels.apply_penalties_(logits.double(), prompts, outputs, repetition, frequency, presence)
