@@ -369,15 +369,16 @@ class Sampler:
         temperature = torch.where(batch.is_greedy, 1.0, batch.temperature)  # [B], safe divisor
         if batch.any_top_k or batch.any_top_p or batch.any_min_p:
             scaled = logits / temperature.unsqueeze(1)  # [B, V]
-            if (batch.any_top_k or batch.any_top_p) and not (
-                scaled.device.type == "cpu" and cpu_kernels.filter_top_k_top_p_(scaled, batch.top_k, batch.top_p)
-            ):  # the native filter works on the step's own tensor in place; else torch's sorts
+            if not (  # the native filter works on the step's own tensor in place; else torch's sorts
+                scaled.device.type == "cpu"
+                and cpu_kernels.filter_logits_(scaled, batch.top_k, batch.top_p, batch.min_p)
+            ):
                 if batch.any_top_k:
                     scaled = apply_top_k(scaled, batch.top_k)
                 if batch.any_top_p:
                     scaled = apply_top_p(scaled, batch.top_p)
-            if batch.any_min_p:
-                scaled = apply_min_p(scaled, batch.min_p)
+                if batch.any_min_p:
+                    scaled = apply_min_p(scaled, batch.min_p)
             logits, temperature = scaled, torch.ones_like(temperature)
         sampled_ids = sample_exponential_race(logits, temperature, batch.generators, batch.seeded_rows)
         if greedy_ids is None:

@@ -152,8 +152,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "sample_race_f32"):
         lib.sample_race_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32]
         lib.sample_race_f32.restype = i32
-        lib.filter_top_k_top_p_f32.argtypes = [ptr, i64, ptr, ptr, i32, i32]
-        lib.filter_top_k_top_p_f32.restype = i32
+        lib.filter_logits_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i32, i32]
+        lib.filter_logits_f32.restype = i32
         lib.apply_penalties_f32.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         lib.apply_penalties_f32.restype = i32
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
@@ -374,17 +374,18 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Ten
     return out
 
 
-def filter_top_k_top_p_(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
-    """In place on ``logits`` [rows, n]: top-k (0: off), then top-p (1: off) per row, the tokens outside set
-    to -inf, as ``sampler.apply_top_k`` then ``apply_top_p`` (ties at either boundary kept) without sorting
-    the vocabulary (``csrc/sample.c``). False where it does not apply (``logits`` then untouched)."""
+def filter_logits_(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> bool:
+    """In place on ``logits`` [rows, n]: top-k (0: off), top-p (1: off), then min-p (0: off) per row, the
+    tokens outside set to -inf, as ``sampler.apply_top_k``, ``apply_top_p`` and ``apply_min_p`` (ties at
+    the boundaries kept) without sorting the vocabulary (``csrc/sample.c``). False where it does not
+    apply (``logits`` then untouched)."""
     lib = load()
-    if not (_f32_rows(logits) and logits.shape[1] > 0 and lib is not None and hasattr(lib, "filter_top_k_top_p_f32")):
+    if not (_f32_rows(logits) and logits.shape[1] > 0 and lib is not None and hasattr(lib, "filter_logits_f32")):
         return False
     top_k = top_k.to(torch.int64).contiguous()
-    top_p = top_p.to(torch.float32).contiguous()
-    status = lib.filter_top_k_top_p_f32(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
-                                        logits.shape[0], logits.shape[1])  # fmt: skip
+    top_p, min_p = (t.to(torch.float32).contiguous() for t in (top_p, min_p))
+    status = lib.filter_logits_f32(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
+                                   min_p.data_ptr(), logits.shape[0], logits.shape[1])  # fmt: skip
     return status == 0
 
 

@@ -53,6 +53,14 @@ static float *thread_scores(int n) {
 /* -inf marks a removed token here: compiled without the build's finite-math assumption. */
 #define WITH_INFINITIES __attribute__((optimize("no-finite-math-only")))
 
+/* The largest of n floats (-inf if none is larger; a NaN is passed over), vectorised. */
+WITH_INFINITIES static inline float row_max(const float *l, int n) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int i = 0; i < n; i++) m = l[i] > m ? l[i] : m;
+    return m;
+}
+
 WITH_INFINITIES static void race_rows(void *ctx, int64_t r0, int64_t r1) {
     RaceArgs *a = ctx;
     float *scores = thread_scores(a->n);
@@ -62,8 +70,7 @@ WITH_INFINITIES static void race_rows(void *ctx, int64_t r0, int64_t r1) {
     }
     for (int64_t r = r0; r < r1; r++) {
         const float *l = a->logits + r * a->stride, s = a->inv_temperature[r];
-        float m = -INFINITY;
-        for (int i = 0; i < a->n; i++) m = l[i] > m ? l[i] : m;
+        const float m = row_max(l, a->n);
         const uint64_t state = mix64((uint64_t)a->keys[r]);
         for (int i = 0; i < a->n; i++) {
             const uint64_t bits = mix64(state + (uint64_t)(i + 1) * GOLDEN);
@@ -84,10 +91,12 @@ int sample_race_f32(const float *logits, int64_t stride, const float *inv_temper
 }
 
 /*
- * top-k then top-p over rows of logits, in place (what sampler.apply_top_k then apply_top_p compute,
- * without sorting the vocabulary): tokens outside become -inf. top-k keeps the k largest logits and
- * any tied with the k-th; top-p then keeps, in descending order, each token whose higher-ranked tokens
- * hold less than top_p of the remaining probability (so at least one), and any tied with the last kept.
+ * top-k, top-p, then min-p over rows of logits, in place (what sampler.apply_top_k, apply_top_p and
+ * apply_min_p compute, without sorting the vocabulary): tokens outside become -inf. top-k keeps the k
+ * largest logits and any tied with the k-th; top-p then keeps, in descending order, each token whose
+ * higher-ranked tokens hold less than top_p of the remaining probability (so at least one), and any
+ * tied with the last kept; min-p keeps the tokens whose probability is at least min_p times the largest
+ * (compared as logits: l_i >= max + log(min_p)).
  *
  * Per row: e_i = exp(l_i - max) once; a histogram of count and mass over buckets of e (64 per octave,
  * from its float bits: a larger e never lands in a later bucket) finds the bucket where the k-th token
@@ -104,7 +113,7 @@ typedef struct {
     float *logits;
     int64_t stride;
     const int64_t *top_k;
-    const float *top_p;
+    const float *top_p, *min_p;
     int n;
     int failed;
 } FilterArgs;
@@ -165,8 +174,7 @@ static int gather_bucket(const FilterScratch *s, const float *l, int n, int b) {
 
 /* The smallest logit the row keeps (-inf: all). */
 WITH_INFINITIES static float row_threshold(FilterScratch *s, const float *l, int n, int k, float p) {
-    float m = -INFINITY;
-    for (int i = 0; i < n; i++) m = l[i] > m ? l[i] : m;
+    const float m = row_max(l, n);
     if (!(m > -INFINITY)) return -INFINITY; /* nothing finite (or a NaN): left as it is */
     for (int i = 0; i < n; i++) s->e[i] = expf(l[i] - m);
     int32_t *count = s->count;
@@ -232,18 +240,24 @@ WITH_INFINITIES static void filter_rows(void *ctx, int64_t r0, int64_t r1) {
     }
     for (int64_t r = r0; r < r1; r++) {
         const int k = a->top_k[r] > 0 && a->top_k[r] < a->n ? (int)a->top_k[r] : 0;
-        const float p = a->top_p[r];
-        if (k == 0 && !(p < 1.f)) continue;
+        const float p = a->top_p[r], min_p = a->min_p[r];
+        if (k == 0 && !(p < 1.f) && !(min_p > 0.f)) continue;
         float *l = a->logits + r * a->stride;
-        const float threshold = row_threshold(s, l, a->n, k, p);
+        float threshold = k > 0 || p < 1.f ? row_threshold(s, l, a->n, k, p) : -INFINITY;
+        if (min_p > 0.f) { /* p_i >= min_p * p_max, as exp(l_i - max) >= min_p: after any filter, the max stays */
+            const float floor = row_max(l, a->n) + logf(min_p);
+            threshold = floor > threshold ? floor : threshold;
+        }
+#pragma omp simd
         for (int i = 0; i < a->n; i++) l[i] = l[i] < threshold ? -INFINITY : l[i];
     }
 }
 
-/* logits: [rows, n], rows `stride` apart, filtered in place; top_k (0: none), top_p (1: none): [rows].
- * 0, or -1 where a thread's scratch could not be allocated (rows then partly filtered). */
-int filter_top_k_top_p_f32(float *logits, int64_t stride, const int64_t *top_k, const float *top_p, int rows, int n) {
-    FilterArgs a = {logits, stride, top_k, top_p, n, 0};
+/* logits: [rows, n], rows `stride` apart, filtered in place; top_k (0: none), top_p (1: none), min_p (0:
+ * none): [rows]. 0, or -1 where a thread's scratch could not be allocated (rows then partly filtered). */
+int filter_logits_f32(float *logits, int64_t stride, const int64_t *top_k, const float *top_p, const float *min_p,
+                      int rows, int n) {
+    FilterArgs a = {logits, stride, top_k, top_p, min_p, n, 0};
     pool_rows(rows, (int64_t)n * 8, filter_rows, &a);
     return a.failed ? -1 : 0;
 }

@@ -1,6 +1,6 @@
 """Sampling's native kernels (csrc/sample.c): the exponential race over a row of logits, its noise a
 function of the row's key alone (``cpu_kernels.sample_race``), the top-k / top-p filter
-(``cpu_kernels.filter_top_k_top_p_``) against the sampler's sorting filters, and the penalties
+(``cpu_kernels.filter_logits_``) against the sampler's sorting filters, and the penalties
 (``cpu_kernels.apply_penalties_``) against its count tensors."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from shared.engine.sampler import (
     Sampler,
     SamplingBatch,
     apply_frequency_presence_penalties,
+    apply_min_p,
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
@@ -105,10 +106,24 @@ def test_top_k_top_p_filter_matches_the_sorting_filters(vocab, scale):
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.1, 0.99, 1.0, 0.8, 0.3, 0.999, 1.0, 0.7, 1e-4, 1.0, 0.6, 0.9])
     reference = apply_top_p(apply_top_k(logits.double(), top_k), top_p.double())
     filtered = logits.clone()
-    assert cpu_kernels.filter_top_k_top_p_(filtered, top_k, top_p)
+    assert cpu_kernels.filter_logits_(filtered, top_k, top_p, torch.zeros(16))
     assert torch.equal(torch.isinf(filtered), torch.isinf(reference))
     kept = torch.isfinite(filtered)
     assert torch.equal(filtered[kept], logits[kept])  # kept logits untouched
+
+
+@pytest.mark.parametrize("vocab", [50, 7168])
+def test_min_p_with_and_without_the_other_filters_matches_apply_min_p(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    top_k = torch.tensor([0, 0, 10, 0, 3, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0])
+    min_p = torch.tensor([0.1, 0.0, 0.05, 0.3, 0.01, 1.0])
+    reference = apply_min_p(apply_top_p(apply_top_k(logits.double(), top_k), top_p.double()), min_p.double())
+    filtered = logits.clone()
+    assert cpu_kernels.filter_logits_(filtered, top_k, top_p, min_p)
+    assert torch.equal(torch.isinf(filtered), torch.isinf(reference))
+    assert torch.equal(filtered[1], logits[1])  # nothing asked
 
 
 def test_top_k_top_p_filter_ties_strides_and_what_it_declines():
@@ -121,13 +136,15 @@ def test_top_k_top_p_filter_ties_strides_and_what_it_declines():
     top_k = torch.tensor([3, 0, 2, 0])
     top_p = torch.tensor([1.0, 0.3, 0.5, 1.0])  # row 3: nothing to do
     before = logits.clone()
-    assert cpu_kernels.filter_top_k_top_p_(logits, top_k, top_p)
+    assert cpu_kernels.filter_logits_(logits, top_k, top_p, torch.zeros(4))
     finite = torch.isfinite(logits)
     assert finite[0].nonzero().flatten().tolist() == [1, 3, 9]  # the two 5s and the 4 (k = 3)
     assert finite[1].nonzero().flatten().tolist() == [1, 3]  # one 5 holds 0.35 >= 0.3: its tie is kept too
     assert logits[2].isnan().all() and torch.equal(logits[3], before[3])
-    assert not cpu_kernels.filter_top_k_top_p_(logits.double(), top_k, top_p)
-    assert not cpu_kernels.filter_top_k_top_p_(logits.t(), torch.zeros(10, dtype=torch.int64), torch.ones(10))
+    assert not cpu_kernels.filter_logits_(logits.double(), top_k, top_p, torch.zeros(4))
+    assert not cpu_kernels.filter_logits_(
+        logits.t(), torch.zeros(10, dtype=torch.int64), torch.ones(10), torch.zeros(10)
+    )
 
 
 def test_penalties_match_the_count_tensors_bit_for_bit():
