@@ -347,17 +347,17 @@ class Sampler:
             logits = apply_token_bitmask(logits, batch.token_bitmask, batch.constrained_rows)  # [B, V]
         logits = apply_min_tokens_and_penalties(logits, batch, inplace)  # [B, V]
         token_ids = self._sample(logits, batch)  # [B]
-        top_token_ids = top_logprobs = None
         if batch.max_num_logprobs is None:
             # No row asked for logprobs: skip the normalizer over the vocabulary.
             return SamplerOutput(token_ids, torch.zeros_like(token_ids, dtype=torch.float32), None, None)
+        num_top = min(batch.max_num_logprobs, logits.shape[-1])
+        native = cpu_kernels.logprobs(logits, token_ids, num_top) if logits.device.type == "cpu" else None
+        if native is not None:  # one pass per row instead of a logsumexp and a topk over the vocabulary
+            return SamplerOutput(token_ids, *native)
         log_normalizer = logits.logsumexp(dim=-1, keepdim=True)  # [B, 1]
         logprobs = logits.gather(1, token_ids.unsqueeze(1)) - log_normalizer  # [B, 1]
-        if batch.max_num_logprobs is not None:
-            num_top = min(batch.max_num_logprobs, logits.shape[-1])
-            top_values, top_token_ids = logits.topk(num_top, dim=-1)  # [B, K]
-            top_logprobs = top_values - log_normalizer
-        return SamplerOutput(token_ids, logprobs.squeeze(1), top_token_ids, top_logprobs)
+        top_values, top_token_ids = logits.topk(num_top, dim=-1)  # [B, K]
+        return SamplerOutput(token_ids, logprobs.squeeze(1), top_token_ids, top_values - log_normalizer)
 
     @staticmethod
     def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:

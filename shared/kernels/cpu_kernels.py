@@ -156,6 +156,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.filter_logits_f32.restype = i32
         lib.apply_penalties_f32.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         lib.apply_penalties_f32.restype = i32
+        lib.logprobs_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32]
+        lib.logprobs_f32.restype = i32
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32.restype = None
@@ -387,6 +389,27 @@ def filter_logits_(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     status = lib.filter_logits_f32(logits.data_ptr(), logits.stride(0), top_k.data_ptr(), top_p.data_ptr(),
                                    min_p.data_ptr(), logits.shape[0], logits.shape[1])  # fmt: skip
     return status == 0
+
+
+def logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Per row of ``logits`` [rows, n]: the logprob of ``token_ids`` [rows], and the ``num_top`` most likely
+    tokens [rows, num_top] with their logprobs (descending; the lower id first among ties), as
+    ``log_softmax`` then ``topk`` give them, without sorting the vocabulary (``csrc/sample.c``). None where
+    it does not apply."""
+    lib = load()
+    if not (_f32_rows(logits) and 0 <= num_top <= min(64, logits.shape[1]) and lib is not None
+            and hasattr(lib, "logprobs_f32")):  # fmt: skip
+        return None
+    rows = logits.shape[0]
+    token_ids = token_ids.to(torch.int64).contiguous()
+    chosen = torch.empty(rows, dtype=torch.float32)
+    top_ids = torch.empty(rows, num_top, dtype=torch.int64)
+    top_logprobs = torch.empty(rows, num_top, dtype=torch.float32)
+    status = lib.logprobs_f32(logits.data_ptr(), logits.stride(0), token_ids.data_ptr(), chosen.data_ptr(),
+                              top_ids.data_ptr(), top_logprobs.data_ptr(), rows, logits.shape[1], num_top)  # fmt: skip
+    return (chosen, top_ids, top_logprobs) if status == 0 else None
 
 
 def _flat_ids(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

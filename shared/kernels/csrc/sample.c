@@ -345,3 +345,64 @@ int apply_penalties_f32(float *logits, int64_t stride, int rows, int n, const in
     penalty_rows(&a, 0, rows); /* a few hundred ids a row: not worth a parallel loop */
     return a.failed ? -1 : 0;
 }
+
+/*
+ * Logprobs of rows of logits: per row, the log-normaliser (max + log of the sum of exp(l - max), in
+ * float32 as torch's logsumexp), the logprob of the row's sampled token, and its num_top most likely
+ * tokens with their logprobs, in descending order, the lower id first among equal logits (torch's topk
+ * over the whole vocabulary, which this replaces: a partial sort per row of a 128k vocabulary took longer
+ * than the step). num_top <= MAX_TOP; a logit larger than the num_top-th so far enters by insertion.
+ */
+#define MAX_TOP 64
+
+typedef struct {
+    const float *logits;
+    int64_t stride;
+    const int64_t *token_ids;
+    float *logprobs, *top_logprobs;
+    int64_t *top_ids;
+    int n, num_top;
+} LogprobArgs;
+
+WITH_INFINITIES static void logprob_rows(void *ctx, int64_t r0, int64_t r1) {
+    const LogprobArgs *a = ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *l = a->logits + r * a->stride;
+        const float m = row_max(l, a->n);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < a->n; i++) sum += expf(l[i] - m);
+        const float normaliser = m + logf(sum);
+        const int64_t token = a->token_ids[r];
+        a->logprobs[r] = token >= 0 && token < a->n ? l[token] - normaliser : -INFINITY;
+        const int k = a->num_top < a->n ? a->num_top : a->n;
+        if (k <= 0) continue;
+        float value[MAX_TOP];
+        int64_t id[MAX_TOP];
+        int count = 0;
+        for (int i = 0; i < a->n; i++) {
+            const float x = l[i];
+            if (count == k && !(x > value[k - 1])) continue; /* the common case: not among the top */
+            int at = count < k ? count++ : k - 1;
+            while (at > 0 && x > value[at - 1]) { /* after any equal value: the lower id first */
+                value[at] = value[at - 1], id[at] = id[at - 1];
+                at--;
+            }
+            value[at] = x, id[at] = i;
+        }
+        for (int j = 0; j < k; j++) {
+            a->top_ids[r * a->num_top + j] = id[j];
+            a->top_logprobs[r * a->num_top + j] = value[j] - normaliser;
+        }
+    }
+}
+
+/* logits: [rows, n] (rows `stride` apart); token_ids, logprobs: [rows]; top_ids, top_logprobs: [rows,
+ * num_top], num_top <= MAX_TOP and <= n. 0, or -1 where num_top is out of range. */
+int logprobs_f32(const float *logits, int64_t stride, const int64_t *token_ids, float *logprobs, int64_t *top_ids,
+                 float *top_logprobs, int rows, int n, int num_top) {
+    if (num_top < 0 || num_top > MAX_TOP || num_top > n) return -1;
+    LogprobArgs a = {logits, stride, token_ids, logprobs, top_logprobs, top_ids, n, num_top};
+    pool_rows(rows, (int64_t)n * 2, logprob_rows, &a);
+    return 0;
+}

@@ -173,3 +173,28 @@ def test_penalties_match_the_count_tensors_bit_for_bit():
     assert cpu_kernels.apply_penalties_(penalised, prompts, outputs, repetition, frequency, presence)
     assert torch.equal(penalised, reference)
     assert not cpu_kernels.apply_penalties_(logits.double(), prompts, outputs, repetition, frequency, presence)
+
+
+@pytest.mark.parametrize("vocab", [7, 7168, 128256])
+def test_logprobs_match_log_softmax_and_topk(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    logits[1, : vocab // 2] = float("-inf")  # removed tokens
+    logits[2, :3] = 50.0  # ties at the top: the lower id first
+    token_ids = torch.randint(0, vocab, (5,), generator=gen)
+    num_top = min(5, vocab)
+    got = cpu_kernels.logprobs(logits, token_ids, num_top)
+    assert got is not None
+    chosen, top_ids, top_logprobs = got
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.allclose(chosen.double(), reference.gather(1, token_ids.unsqueeze(1)).squeeze(1), atol=1e-4)
+    for r in range(5):
+        order = torch.sort(logits[r], descending=True, stable=True).indices[:num_top]  # ties: lower id first
+        assert torch.equal(top_ids[r], order)
+        assert torch.allclose(top_logprobs[r].double(), reference[r, order], atol=1e-4)
+    empty = cpu_kernels.logprobs(logits, token_ids, 0)
+    assert empty is not None and empty[1].shape == (5, 0)
+    assert (
+        cpu_kernels.logprobs(logits, token_ids, 65) is None
+        and cpu_kernels.logprobs(logits.double(), token_ids, 1) is None
+    )
