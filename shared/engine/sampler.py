@@ -314,7 +314,7 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch, inplace: bool = False)
     """Repetition, then frequency and presence penalties: on the CPU from each row's token ids
     (``cpu_kernels.apply_penalties_``, which touches only the tokens a row has seen; on a copy unless
     ``inplace``), else over [B, V] count tensors (made once per batch)."""
-    if logits.device.type == "cpu":
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:  # the kernel's rows (no copy made for naught)
         penalised = logits if inplace else logits.clone()
         if cpu_kernels.apply_penalties_(
             penalised, batch.prompt_token_ids, batch.output_token_ids, batch.repetition_penalty,

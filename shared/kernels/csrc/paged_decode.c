@@ -373,9 +373,9 @@ int decode_heads_per_item(int num_kv_heads, int group, int head_dim) {
 #endif
 }
 
-/* The calling thread's scores buffer (also the prefill kernel's, for its single-token rows), kept
- * across calls and grown as contexts grow (a fresh malloc per call is an mmap and page faults at long
- * contexts). NULL if it cannot grow to ``floats``. */
+/* The calling thread's scores buffer (also the prefill kernel's, for its single-token rows, and the
+ * sampling race's in sample.c), kept across calls and grown as contexts grow (a fresh malloc per call is
+ * an mmap and page faults at long contexts). NULL if it cannot grow to ``floats``. */
 float *decode_thread_scores(size_t floats) {
     static __thread float *buffer = NULL;
     static __thread size_t capacity = 0;

@@ -19,6 +19,7 @@
 #include "pool.h"
 
 int64_t argmax_row_f32(const float *row, int n); /* rows.c: the first largest value, or the first NaN */
+float *decode_thread_scores(size_t floats);      /* paged_decode.c: the thread's scores buffer, grown as needed */
 
 #define GOLDEN 0x9E3779B97F4A7C15ull
 
@@ -38,18 +39,6 @@ typedef struct {
     int failed;
 } RaceArgs;
 
-static float *thread_scores(int n) {
-    static __thread float *buffer = NULL;
-    static __thread int capacity = 0;
-    if (n > capacity) {
-        float *grown = realloc(buffer, sizeof(float) * (size_t)n);
-        if (grown == NULL) return NULL;
-        buffer = grown;
-        capacity = n;
-    }
-    return buffer;
-}
-
 /* -inf marks a removed token here: compiled without the build's finite-math assumption. */
 #define WITH_INFINITIES __attribute__((optimize("no-finite-math-only")))
 
@@ -63,7 +52,7 @@ WITH_INFINITIES static inline float row_max(const float *l, int n) {
 
 WITH_INFINITIES static void race_rows(void *ctx, int64_t r0, int64_t r1) {
     RaceArgs *a = ctx;
-    float *scores = thread_scores(a->n);
+    float *scores = decode_thread_scores((size_t)a->n); /* free here: sampling follows the step's attention */
     if (scores == NULL) {
         __atomic_store_n(&a->failed, 1, __ATOMIC_RELAXED);
         return;
