@@ -325,7 +325,7 @@ EXACT_FLOATS static void penalty_rows(void *ctx, int64_t r0, int64_t r1) {
 
 /* logits: [rows, n] (rows `stride` apart); prompt_ids / output_ids: every row's ids, row r's from
  * offsets[r] to offsets[r + 1]; repetition, frequency, presence: [rows] (1, 0, 0: off). 0, or -1 where
- * a thread's counts could not be allocated (rows then partly penalised). */
+ * the counts could not be allocated (before any row: logits untouched, for the caller's fallback). */
 int apply_penalties_f32(float *logits, int64_t stride, int rows, int n, const int64_t *prompt_ids,
                         const int64_t *prompt_offsets, const int64_t *output_ids, const int64_t *output_offsets,
                         const float *repetition, const float *frequency, const float *presence) {
