@@ -16,6 +16,7 @@ from torch import Tensor
 
 from shared.engine.request import TokenSample
 from shared.engine.scheduler import SchedulerOutput
+from shared.kernels import cpu_kernels
 
 
 def prompt_rows(sched: SchedulerOutput) -> tuple[list[int], list[int], list[tuple[str, int, int, int]]]:
@@ -39,6 +40,12 @@ def prompt_rows(sched: SchedulerOutput) -> tuple[list[int], list[int], list[tupl
 
 def score_prompt(logits: Tensor, targets: Tensor, max_k: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """logits [R, V] -> logprob [R] and rank [R] of each target, and the top ``max_k`` ids/logprobs [R, K]."""
+    if logits.device.type == "cpu":
+        # One pass per row (csrc/sample.c) instead of a log_softmax, a comparison and a topk over [R, V].
+        native = cpu_kernels.prompt_logprobs(logits, targets, min(max_k, logits.shape[-1]))
+        if native is not None:
+            target_lp, rank, top_ids, top_lp = native
+            return (target_lp, rank, top_ids, top_lp) if max_k > 0 else (target_lp, rank, None, None)
     logprobs = logits.log_softmax(dim=-1)  # [R, V]
     target_lp = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
     rank = (logprobs > target_lp).sum(dim=-1) + 1  # [R], 1 = most likely

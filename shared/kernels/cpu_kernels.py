@@ -156,7 +156,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.filter_logits_f32.restype = i32
         lib.apply_penalties_f32.argtypes = [ptr, i64, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         lib.apply_penalties_f32.restype = i32
-        lib.logprobs_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, i32, i32]
+        lib.logprobs_f32.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32]
         lib.logprobs_f32.restype = i32
     if hasattr(lib, "linear_f32"):  # optional: an older prebuilt library keeps torch's BLAS
         lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
@@ -398,6 +398,26 @@ def logprobs(
     tokens [rows, num_top] with their logprobs (descending; the lower id first among ties), as
     ``log_softmax`` then ``topk`` give them, without sorting the vocabulary (``csrc/sample.c``). None where
     it does not apply."""
+    scored = _logprobs(logits, token_ids, num_top, ranks=False)
+    return None if scored is None else scored[:3]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """As ``logprobs``, plus each token's rank [rows] (int64): 1 + the number of tokens with a larger logit.
+    Returns (logprobs, ranks, top ids, top logprobs); None where it does not apply."""
+    scored = _logprobs(logits, token_ids, num_top, ranks=True)
+    if scored is None:
+        return None
+    chosen, top_ids, top_logprobs, ranks = scored
+    assert ranks is not None
+    return chosen, ranks, top_ids, top_logprobs
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, ranks: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     lib = load()
     if not (_f32_rows(logits) and 0 <= num_top <= min(64, logits.shape[1]) and lib is not None
             and hasattr(lib, "logprobs_f32")):  # fmt: skip
@@ -407,9 +427,11 @@ def logprobs(
     chosen = torch.empty(rows, dtype=torch.float32)
     top_ids = torch.empty(rows, num_top, dtype=torch.int64)
     top_logprobs = torch.empty(rows, num_top, dtype=torch.float32)
+    rank = torch.empty(rows, dtype=torch.int64) if ranks else None
     status = lib.logprobs_f32(logits.data_ptr(), logits.stride(0), token_ids.data_ptr(), chosen.data_ptr(),
-                              top_ids.data_ptr(), top_logprobs.data_ptr(), rows, logits.shape[1], num_top)  # fmt: skip
-    return (chosen, top_ids, top_logprobs) if status == 0 else None
+                              top_ids.data_ptr(), top_logprobs.data_ptr(), None if rank is None else rank.data_ptr(),
+                              rows, logits.shape[1], num_top)  # fmt: skip
+    return (chosen, top_ids, top_logprobs, rank) if status == 0 else None
 
 
 def _flat_ids(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

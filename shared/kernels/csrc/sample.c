@@ -336,11 +336,12 @@ int apply_penalties_f32(float *logits, int64_t stride, int rows, int n, const in
 }
 
 /*
- * Logprobs of rows of logits: per row, the log-normaliser (max + log of the sum of exp(l - max), in
- * float32 as torch's logsumexp), the logprob of the row's sampled token, and its num_top most likely
+ * Logprobs of rows of logits: per row, the max and the log of the sum of exp(l - max) (in float32, as
+ * torch's log_softmax), the logprob of the row's sampled token, and its num_top most likely
  * tokens with their logprobs, in descending order, the lower id first among equal logits (torch's topk
  * over the whole vocabulary, which this replaces: a partial sort per row of a 128k vocabulary took longer
  * than the step). num_top <= MAX_TOP; a logit larger than the num_top-th so far enters by insertion.
+ * Optionally the token's rank: 1 + the number of tokens with a larger logit (prompt logprobs report it).
  */
 #define MAX_TOP 64
 
@@ -349,9 +350,27 @@ typedef struct {
     int64_t stride;
     const int64_t *token_ids;
     float *logprobs, *top_logprobs;
-    int64_t *top_ids;
+    int64_t *top_ids, *ranks; /* ranks: NULL where not asked for */
     int n, num_top;
 } LogprobArgs;
+
+/* A logprob as torch's log_softmax forms it, (logit - max) - log(sum): m + log(sum) rounded first would
+ * carry that sum's rounding (half an ulp of the larger max) into every logprob. Not inlined into the
+ * fast-math caller, which may reassociate it. */
+EXACT_FLOATS __attribute__((noinline)) static float log_prob(float logit, float max, float log_sum) {
+    return (logit - max) - log_sum;
+}
+
+/* 1 + the number of logits above l[token] (a comparison of the logits themselves: no rounding of
+ * logprobs can tie two distinct ones); 0 for a token outside the row. */
+static int64_t rank_of(const float *l, int n, int64_t token) {
+    if (token < 0 || token >= n) return 0;
+    const float t = l[token];
+    int64_t above = 0;
+#pragma omp simd reduction(+ : above)
+    for (int i = 0; i < n; i++) above += l[i] > t;
+    return above + 1;
+}
 
 WITH_INFINITIES static void logprob_rows(void *ctx, int64_t r0, int64_t r1) {
     const LogprobArgs *a = ctx;
@@ -361,9 +380,10 @@ WITH_INFINITIES static void logprob_rows(void *ctx, int64_t r0, int64_t r1) {
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int i = 0; i < a->n; i++) sum += expf(l[i] - m);
-        const float normaliser = m + logf(sum);
+        const float log_sum = logf(sum);
         const int64_t token = a->token_ids[r];
-        a->logprobs[r] = token >= 0 && token < a->n ? l[token] - normaliser : -INFINITY;
+        a->logprobs[r] = token >= 0 && token < a->n ? log_prob(l[token], m, log_sum) : -INFINITY;
+        if (a->ranks != NULL) a->ranks[r] = rank_of(l, a->n, token);
         const int k = a->num_top < a->n ? a->num_top : a->n;
         if (k <= 0) continue;
         float value[MAX_TOP];
@@ -381,17 +401,17 @@ WITH_INFINITIES static void logprob_rows(void *ctx, int64_t r0, int64_t r1) {
         }
         for (int j = 0; j < k; j++) {
             a->top_ids[r * a->num_top + j] = id[j];
-            a->top_logprobs[r * a->num_top + j] = value[j] - normaliser;
+            a->top_logprobs[r * a->num_top + j] = log_prob(value[j], m, log_sum);
         }
     }
 }
 
 /* logits: [rows, n] (rows `stride` apart); token_ids, logprobs: [rows]; top_ids, top_logprobs: [rows,
- * num_top], num_top <= MAX_TOP and <= n. 0, or -1 where num_top is out of range. */
+ * num_top], num_top <= MAX_TOP and <= n; ranks: [rows] or NULL. 0, or -1 where num_top is out of range. */
 int logprobs_f32(const float *logits, int64_t stride, const int64_t *token_ids, float *logprobs, int64_t *top_ids,
-                 float *top_logprobs, int rows, int n, int num_top) {
+                 float *top_logprobs, int64_t *ranks, int rows, int n, int num_top) {
     if (num_top < 0 || num_top > MAX_TOP || num_top > n) return -1;
-    LogprobArgs a = {logits, stride, token_ids, logprobs, top_logprobs, top_ids, n, num_top};
+    LogprobArgs a = {logits, stride, token_ids, logprobs, top_logprobs, top_ids, ranks, n, num_top};
     pool_rows(rows, (int64_t)n * 2, logprob_rows, &a);
     return 0;
 }

@@ -198,3 +198,26 @@ def test_logprobs_match_log_softmax_and_topk(vocab):
         cpu_kernels.logprobs(logits, token_ids, 65) is None
         and cpu_kernels.logprobs(logits.double(), token_ids, 1) is None
     )
+
+
+@pytest.mark.parametrize("vocab", [7, 7168, 128256])
+def test_prompt_logprobs_rank_counts_the_larger_logits(vocab):
+    """The rank is 1 + the tokens with a strictly larger logit (ties share the better rank), compared on the
+    logits themselves; logprobs and top tokens as ``logprobs`` gives them."""
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    logits[1, : vocab // 2] = float("-inf")
+    token_ids = torch.randint(0, vocab, (6,), generator=gen)
+    logits[2, :] = logits[2, token_ids[2]]  # every token tied with the target: rank 1
+    token_ids[3] = int(logits[3].argmax())  # the most likely token: rank 1
+    token_ids[4] = int(logits[4].argmin())  # the least likely: rank vocab (no ties among random floats)
+    num_top = min(3, vocab)
+    got = cpu_kernels.prompt_logprobs(logits, token_ids, num_top)
+    assert got is not None
+    chosen, ranks, top_ids, top_logprobs = got
+    expected = (logits.double() > logits.double().gather(1, token_ids.unsqueeze(1))).sum(dim=-1) + 1
+    assert torch.equal(ranks, expected)
+    assert ranks[2] == 1 and ranks[3] == 1 and ranks[4] == vocab
+    plain = cpu_kernels.logprobs(logits, token_ids, num_top)
+    assert plain is not None
+    assert torch.equal(chosen, plain[0]) and torch.equal(top_ids, plain[1]) and torch.equal(top_logprobs, plain[2])
