@@ -7,8 +7,8 @@
  * 16 rows x 64 bytes, row r holding the pairs (w[n][k0 + 2r], w[n][k0 + 2r + 1]) of its 16 columns (the
  * tile unit's pairwise layout); N and K are padded with zeros to multiples of 32. Per call, x is rounded
  * into a bfloat16 copy padded likewise (zero rows past M, zero columns past K), and threads split the
- * column pairs: per 32 rows of x, four C tiles of 16 x 16 sums, each k step two A tiles and two B tiles
- * (per 16 rows for the last ones).
+ * column pairs, in groups of up to PAIR_GROUP: per group, per 32 rows of x, per pair, four C tiles of
+ * 16 x 16 sums, each k step two A tiles and two B tiles (per 16 rows for the last ones).
  *
  * Every output is the same sequence of tile products whatever M or the thread, so a row's result does
  * not depend on the rows around it.
@@ -116,47 +116,58 @@ static void store_tiles(const AmxArgs *a, float (*sums)[16][16], int m0, int n0,
     }
 }
 
-/* Column pairs [p0, p1): 32 columns each, every row of x: 32 rows at a time (four C tiles: each weight
- * tile loaded serves two row tiles), then the last 16 rows if any (two C tiles). */
+/* Column pairs per group: a group's weight tiles (192 KB at k = 384) stay in L2 while every row of x goes
+ * through them, and a row's sums are stored 1 KB at a time; one pair at a time over every row stored each
+ * row's 128 bytes a whole row of y apart (a vocabulary-wide LM head ran at under half the tile unit's rate).
+ * The order of the tile products for each sum is the same whatever the group. */
+#define PAIR_GROUP 8
+
+/* Column pairs [p0, p1): 32 columns each, a group of pairs at a time, every row of x: 32 rows at a time
+ * (four C tiles: each weight tile loaded serves two row tiles), then the last 16 rows if any (two C tiles). */
 static void amx_pairs(void *p, int64_t p0, int64_t p1) {
     const AmxArgs *a = p;
     const int64_t tiles_k = a->kp / TILE_K, tile_elems = TILE_K * TILE_N, x_stride = a->kp * 2;
     float sums[4][16][16];
     load_tile_config();
-    for (int64_t pair = p0; pair < p1; pair++) {
-        const uint16_t *b0 = a->packed + (2 * pair) * tiles_k * tile_elems, *b1 = b0 + tiles_k * tile_elems;
-        const int n0 = (int)(pair * 2 * TILE_N);
+    for (int64_t g0 = p0; g0 < p1; g0 += PAIR_GROUP) {
+        const int64_t g1 = g0 + PAIR_GROUP < p1 ? g0 + PAIR_GROUP : p1;
         int m0 = 0;
         for (; m0 + 16 < a->m; m0 += 32) { /* two row tiles (the second may be partly padding) */
             const uint16_t *x0 = a->xb + (int64_t)m0 * a->kp, *x1 = x0 + 16 * a->kp;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kt = 0; kt < tiles_k; kt++) {
-                _tile_loadd(4, x0 + kt * TILE_K, x_stride);
-                _tile_loadd(5, x1 + kt * TILE_K, x_stride);
-                _tile_loadd(6, b0 + kt * tile_elems, 64);
-                _tile_loadd(7, b1 + kt * tile_elems, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+            for (int64_t pair = g0; pair < g1; pair++) {
+                const uint16_t *b0 = a->packed + (2 * pair) * tiles_k * tile_elems, *b1 = b0 + tiles_k * tile_elems;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kt = 0; kt < tiles_k; kt++) {
+                    _tile_loadd(4, x0 + kt * TILE_K, x_stride);
+                    _tile_loadd(5, x1 + kt * TILE_K, x_stride);
+                    _tile_loadd(6, b0 + kt * tile_elems, 64);
+                    _tile_loadd(7, b1 + kt * tile_elems, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                store_tiles(a, sums, m0, (int)(pair * 2 * TILE_N), 4);
             }
-            store_tiles(a, sums, m0, n0, 4);
         }
         if (m0 < a->m) { /* the last 1-16 rows */
             const uint16_t *x0 = a->xb + (int64_t)m0 * a->kp;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t kt = 0; kt < tiles_k; kt++) {
-                _tile_loadd(4, x0 + kt * TILE_K, x_stride);
-                _tile_loadd(6, b0 + kt * tile_elems, 64);
-                _tile_loadd(7, b1 + kt * tile_elems, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
+            for (int64_t pair = g0; pair < g1; pair++) {
+                const uint16_t *b0 = a->packed + (2 * pair) * tiles_k * tile_elems, *b1 = b0 + tiles_k * tile_elems;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t kt = 0; kt < tiles_k; kt++) {
+                    _tile_loadd(4, x0 + kt * TILE_K, x_stride);
+                    _tile_loadd(6, b0 + kt * tile_elems, 64);
+                    _tile_loadd(7, b1 + kt * tile_elems, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                store_tiles(a, sums, m0, (int)(pair * 2 * TILE_N), 2);
             }
-            store_tiles(a, sums, m0, n0, 2);
         }
     }
     _tile_release();
@@ -191,10 +202,12 @@ int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, in
     }
     AmxArgs a = {x_copy, packed, y, ldy, kp, m, n};
     const int64_t pairs = round_up(n, 2 * TILE_N) / (2 * TILE_N);
-    if ((int64_t)m * n * k < 262144)
+    if ((int64_t)m * n * k < 262144) {
         amx_pairs(&a, 0, pairs);
-    else
-        pool_for(pairs, 1, amx_pairs, &a);
+    } else { /* threads take whole groups where there are enough to go round (8 chunks or more) */
+        const int64_t grain = pairs / 8 < 1 ? 1 : pairs / 8 > PAIR_GROUP ? PAIR_GROUP : pairs / 8;
+        pool_for(pairs, grain, amx_pairs, &a);
+    }
     return 0;
 }
 
