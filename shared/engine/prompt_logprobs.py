@@ -44,8 +44,8 @@ def score_prompt(logits: Tensor, targets: Tensor, max_k: int) -> tuple[Tensor, T
         # One pass per row (csrc/sample.c) instead of a log_softmax, a comparison and a topk over [R, V].
         native = cpu_kernels.prompt_logprobs(logits, targets, min(max_k, logits.shape[-1]))
         if native is not None:
-            target_lp, rank, top_ids, top_lp = native
-            return (target_lp, rank, top_ids, top_lp) if max_k > 0 else (target_lp, rank, None, None)
+            chosen, ranks, ids, values = native
+            return (chosen, ranks, ids, values) if max_k > 0 else (chosen, ranks, None, None)
     logprobs = logits.log_softmax(dim=-1)  # [R, V]
     target_lp = logprobs.gather(1, targets.unsqueeze(1))  # [R, 1]
     rank = (logprobs > target_lp).sum(dim=-1) + 1  # [R], 1 = most likely
