@@ -51,14 +51,14 @@ def _assert_registered(lines: list[str], count: int) -> None:
 
 
 def _assert_cpu_split(children: list[int]) -> None:
-    """By default (no GPU, at least 2 CPUs) the decode worker runs on the upper half of the CPUs, the
-    prefill worker and the router on the lower half, where the prefill worker yields to the router."""
+    """By default (no GPU, at least 2 CPUs) the decode worker runs on the upper half of the CPUs and the
+    prefill worker on the lower half, where it yields to the router; the router may run on any CPU."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or os.path.exists("/dev/nvidiactl"):
         return
     half = len(cpus) // 2
     expected = {"services.decode_worker": set(cpus[half:]), "services.prefill_worker": set(cpus[:half]),
-                "services.router": set(cpus[:half])}  # fmt: skip
+                "services.router": set(cpus)}  # fmt: skip
     seen = set()
     for pid in children:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
