@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"decode={flags.format_cpu_list(split[1])} router=any (--cpu-split off to share them all)",
                 flush=True,
             )
-        # Under the split the prefill workers share their CPUs with the router, which forwards every
-        # token of every stream: they yield to it (see PREFILL_NICENESS).
+        # Under the split the router (on any CPU) also runs on the prefill workers' CPUs; it forwards every
+        # token of every stream, and they yield to it (see PREFILL_NICENESS).
         niceness = PREFILL_NICENESS if split is not None else 0
         # While one side has no work, the other side's kernels borrow its CPUs: the decode workers the prefill
         # CPUs once a burst's prompts are in, the prefill workers the decode CPUs while no request decodes
