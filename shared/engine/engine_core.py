@@ -387,10 +387,11 @@ class EngineCore:
         return [delta for group in finished for delta in beam_deltas(group)]
 
     def _delta(self, request: Request, sample: TokenSample) -> RequestOutputDelta:
-        finished = request.is_finished
+        status = request.status
+        finished = status.is_finished
         if finished:
             self.runner.release(request.request_id)
-        if request.status == RequestStatus.FINISHED_PREFILLED:
+        if status == RequestStatus.FINISHED_PREFILLED:
             # In the step that finishes the prefill: the blocks go from the scheduler to a lease.
             self.leases.grant(request.request_id, LEASE, time.monotonic() + request.kv_lease_seconds)
         return RequestOutputDelta(
@@ -398,12 +399,14 @@ class EngineCore:
             new_token_ids=[sample.token_id],
             new_samples=[sample],
             finished=finished,
-            finish_reason=request.status.value if finished else None,
+            finish_reason=status.value if finished else None,
             parent_request_id=request.parent_request_id,
             sample_index=request.seed_offset,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
-            prompt_logprobs=self._first_prompt_logprobs(request),
+            prompt_logprobs=(
+                None if request.sampling_params.prompt_logprobs is None else self._first_prompt_logprobs(request)
+            ),
         )
 
     @staticmethod

@@ -21,6 +21,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
+        # Each request's block ids as allocate_slots returns them: a new list whenever its blocks change
+        # (never mutated after it is handed out), so a decode step whose token fits the last block
+        # returns it as it is instead of reading every block again.
+        self._ids: dict[str, list[int]] = {}
         self._pending_copies: list[tuple[int, int]] = []
 
     @property
@@ -64,9 +68,16 @@ class KVCacheManager:
         ``computed_blocks`` are prefix-cache hits (first schedule only); the
         request's ``num_computed_tokens`` must already count them.
         """
-        computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.get(request.request_id, [])
+        request_id = request.request_id
         num_total_tokens = request.num_computed_tokens + num_new_tokens
+        if not computed_blocks:
+            held = self.req_blocks.get(request_id)
+            # The common decode step: the new tokens fit the blocks held, the last of which is not shared.
+            if held and num_total_tokens <= len(held) * self.block_size:
+                if not self._needs_copy_on_write(request, held):
+                    return self._ids[request_id]
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(request_id, [])
         num_needed = cdiv(num_total_tokens, self.block_size) - len(blocks) - len(computed_blocks)
         cow = self._needs_copy_on_write(request, blocks)
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_count == 0)
@@ -83,7 +94,8 @@ class KVCacheManager:
             new = self.pool.get_new_blocks(num_needed)
             assert new is not None
             blocks.extend(new)
-        return [b.block_id for b in blocks]
+        ids = self._ids[request_id] = [b.block_id for b in blocks]
+        return ids
 
     def _needs_copy_on_write(self, request: Request, blocks: list[KVBlock]) -> bool:
         """The next token lands in a partly filled block that another request shares."""
@@ -111,11 +123,13 @@ class KVCacheManager:
         """Register the request's newly full and computed blocks in the prefix cache."""
         if not self.enable_caching:
             return
+        start = self._num_hashed.get(request.request_id, 0)
+        if request.num_computed_tokens // self.block_size <= start:
+            return  # no block filled since the last call (most decode steps)
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return
         hashes = request.block_hashes(self.block_size)
@@ -128,10 +142,12 @@ class KVCacheManager:
         blocks = self.req_blocks.get(parent.request_id, [])
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = list(blocks)
+        self._ids[child.request_id] = [b.block_id for b in blocks]
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
 
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
+        self._ids.pop(request_id, None)
         if blocks:
             self.pool.free(list(reversed(blocks)))

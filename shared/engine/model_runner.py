@@ -154,24 +154,33 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in sched.seqs]
         seq_lens = [s.start_pos + n for s, n in zip(sched.seqs, query_lens, strict=True)]
         max_blocks = max(len(s.block_ids) for s in sched.seqs)
-        # One tensor from padded rows: a tensor per sequence cost more than the rest of the preparation.
-        padded = [list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in sched.seqs]
-        block_tables = torch.tensor(padded, dtype=torch.int32)  # [S, max_blocks]
-        input_ids = torch.tensor([t for s in sched.seqs for t in s.token_ids], dtype=torch.int64)  # [T]
+        # One tensor from one flat list of padded rows: a tensor per sequence, or one from nested lists,
+        # cost more than the rest of the preparation.
+        padded: list[int] = []
+        for s in sched.seqs:
+            padded += s.block_ids
+            padded += [0] * (max_blocks - len(s.block_ids))
+        block_tables = torch.tensor(padded, dtype=torch.int32).view(len(sched.seqs), max_blocks)  # [S, max_blocks]
         # Positions and slots from Python ranges, a run per block: torch's index ops here would each
         # start a parallel region, whose threads then spin on the cores the forward is about to use.
         bs = self.block_size
         positions_list: list[int] = []
         slots: list[int] = []
-        for s, end in zip(sched.seqs, seq_lens, strict=True):
-            pos = s.start_pos
-            positions_list.extend(range(pos, end))
-            while pos < end:
-                block, offset = divmod(pos, bs)
-                run = min(bs - offset, end - pos)
-                first = s.block_ids[block] * bs + offset
-                slots.extend(range(first, first + run))
-                pos += run
+        if min(query_lens) == max(query_lens) == 1:  # a decode step: one token per sequence
+            input_ids = torch.tensor([s.token_ids[0] for s in sched.seqs], dtype=torch.int64)  # [T]
+            positions_list = [s.start_pos for s in sched.seqs]
+            slots = [s.block_ids[pos // bs] * bs + pos % bs for s, pos in zip(sched.seqs, positions_list, strict=True)]
+        else:
+            input_ids = torch.tensor([t for s in sched.seqs for t in s.token_ids], dtype=torch.int64)  # [T]
+            for s, end in zip(sched.seqs, seq_lens, strict=True):
+                pos = s.start_pos
+                positions_list.extend(range(pos, end))
+                while pos < end:
+                    block, offset = divmod(pos, bs)
+                    run = min(bs - offset, end - pos)
+                    first = s.block_ids[block] * bs + offset
+                    slots.extend(range(first, first + run))
+                    pos += run
         positions = torch.tensor(positions_list, dtype=torch.int64)  # [T]
         slot_mapping = torch.tensor(slots, dtype=torch.int64)  # [T]
         cu = torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32)  # [S + 1]
@@ -218,7 +227,8 @@ class ModelRunner:
                                 before_compute=before_forward)  # fmt: skip  # [T, hidden]
         self._prompt_logprobs = compute_prompt_logprobs(hidden, sched, self.model.compute_logits)
         self._embeddings = self.pooler.step(hidden, sched)
-        rows, params, prompts, outputs, generators, matchers = [], [], [], [], [], []
+        rows, params, prompts, outputs, matchers = [], [], [], [], []
+        generators: list[torch.Generator | None] = []
         end = 0
         for seq in sched.seqs:
             end += len(seq.token_ids)
@@ -229,8 +239,11 @@ class ModelRunner:
                 outputs.append(seq.output_token_ids)
                 matchers.append(seq.matchers[j] if seq.matchers else None)
                 seed = seq.sampling_params.seed
-                sample_seed = None if seed is None else seed + seq.seed_offset + j
-                generators.append(self._generator(sample_id, sample_seed, len(seq.output_token_ids)))
+                if seed is None:  # draws from the global generator
+                    generators.append(None)
+                else:
+                    index = len(seq.output_token_ids)
+                    generators.append(self._generator(sample_id, seed + seq.seed_offset + j, index))
         if not rows:
             return {}
         # Every token's row once, in order (a decode step of single samples): no gather.

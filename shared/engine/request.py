@@ -88,10 +88,9 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        limit = self.max_model_len - self.num_prompt_tokens
-        if self.sampling_params.max_tokens is None:
-            return limit
-        return min(self.sampling_params.max_tokens, limit)
+        limit = self.max_model_len - len(self.prompt_token_ids)
+        max_tokens = self.sampling_params.max_tokens
+        return limit if max_tokens is None or max_tokens > limit else max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -116,13 +115,14 @@ class Request:
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Finish status after ``token_id`` was appended, or None to keep going."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        num_output = len(self.output_token_ids)  # (runs for every token: no property calls)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
         if self.matcher is not None and self.matcher.is_terminated():
             return RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+        if num_output >= self.max_tokens or len(self.token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return RequestStatus.FINISHED_PREFILLED if self.prefill_only else None

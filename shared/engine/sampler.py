@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import torch
@@ -104,16 +105,15 @@ def _min_tokens_targets(
 
 @dataclass
 class SamplingBatch:
-    """Per-step sampling tensors for the B rows that sample this step."""
+    """Per-step sampling state for the B rows that sample this step.
 
-    temperature: Tensor  # [B] float32, raw request values
-    is_greedy: Tensor  # [B] bool
-    top_p: Tensor  # [B] float32
-    top_k: Tensor  # [B] int64, 0 = off
-    min_p: Tensor  # [B] float32
-    presence_penalty: Tensor  # [B] float32
-    frequency_penalty: Tensor  # [B] float32
-    repetition_penalty: Tensor  # [B] float32
+    The per-row parameter tensors (``temperature``, ``top_k``, the penalties, ...) are made the first
+    time a step's sampling reads them: a greedy step reads none, a plain random one the temperatures
+    only (eight [B] tensors from Python lists cost a fiftieth of a decode step of 64 rows).
+    """
+
+    params: list[SamplingParams]
+    device: torch.device | str
     all_greedy: bool
     any_greedy: bool
     any_penalties: bool
@@ -136,6 +136,42 @@ class SamplingBatch:
     token_bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32, on the logits' device
     constrained_rows: list[int] | None = None  # the rows whose bitmask row is filled
 
+    def _column(self, name: str, dtype: torch.dtype) -> Tensor:
+        return torch.tensor([getattr(p, name) for p in self.params], dtype=dtype, device=self.device)  # [B]
+
+    @cached_property
+    def temperature(self) -> Tensor:  # [B] float32, raw request values
+        return self._column("temperature", torch.float32)
+
+    @cached_property
+    def is_greedy(self) -> Tensor:  # [B] bool
+        return torch.tensor([p.temperature < GREEDY_EPSILON for p in self.params], dtype=torch.bool,
+                            device=self.device)  # fmt: skip
+
+    @cached_property
+    def top_p(self) -> Tensor:  # [B] float32
+        return self._column("top_p", torch.float32)
+
+    @cached_property
+    def top_k(self) -> Tensor:  # [B] int64, 0 = off
+        return self._column("top_k", torch.int64)
+
+    @cached_property
+    def min_p(self) -> Tensor:  # [B] float32
+        return self._column("min_p", torch.float32)
+
+    @cached_property
+    def presence_penalty(self) -> Tensor:  # [B] float32
+        return self._column("presence_penalty", torch.float32)
+
+    @cached_property
+    def frequency_penalty(self) -> Tensor:  # [B] float32
+        return self._column("frequency_penalty", torch.float32)
+
+    @cached_property
+    def repetition_penalty(self) -> Tensor:  # [B] float32
+        return self._column("repetition_penalty", torch.float32)
+
     @classmethod
     def build(
         cls,
@@ -148,11 +184,6 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
-
-        def column(name: str, dtype: torch.dtype) -> Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)  # [B]
-
-        temperature = column("temperature", torch.float32)
         is_greedy_list = [p.temperature < GREEDY_EPSILON for p in params]
         any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         any_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
@@ -161,14 +192,8 @@ class SamplingBatch:
         asked_logprobs = [p.logprobs for p in params if p.logprobs is not None]
 
         return cls(
-            temperature=temperature,
-            is_greedy=torch.tensor(is_greedy_list, dtype=torch.bool, device=device),
-            top_p=column("top_p", torch.float32),
-            top_k=column("top_k", torch.int64),
-            min_p=column("min_p", torch.float32),
-            presence_penalty=column("presence_penalty", torch.float32),
-            frequency_penalty=column("frequency_penalty", torch.float32),
-            repetition_penalty=column("repetition_penalty", torch.float32),
+            params=params,
+            device=device,
             all_greedy=all(is_greedy_list),
             any_greedy=any(is_greedy_list),
             any_penalties=any_repetition or any_freq_pres,
@@ -366,7 +391,8 @@ class Sampler:
         if batch.all_greedy:
             assert greedy_ids is not None
             return greedy_ids
-        temperature = torch.where(batch.is_greedy, 1.0, batch.temperature)  # [B], safe divisor
+        # [B], a safe divisor on the greedy rows
+        temperature = torch.where(batch.is_greedy, 1.0, batch.temperature) if batch.any_greedy else batch.temperature
         if batch.any_top_k or batch.any_top_p or batch.any_min_p:
             scaled = logits / temperature.unsqueeze(1)  # [B, V]
             if not (  # the native filter works on the step's own tensor in place; else torch's sorts

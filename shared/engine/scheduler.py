@@ -143,7 +143,7 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int, block_ids: list[int]) -> None:
         start = request.num_computed_tokens
-        completes = start + num_new == request.num_tokens
+        completes = start + num_new == len(request.token_ids)
         samplers = [request, *request.pending_children] if completes else []
         sample_ids = [r.request_id for r in samplers]
         out.seqs.append(
