@@ -6,15 +6,17 @@ commands (plain callables) that run between steps. The one exception is
 ``run_soon``: while the engine thread computes a step's forward and samples it
 (which read only the step's own plan), it leaves the state to a caller, so a
 command that needs no step boundary (allocating a KV pull's blocks) runs at
-once instead of waiting for the step to end.
+once instead of waiting for the step to end; submitted while the engine thread
+holds the state, it runs when the next forward starts if no other command is
+ahead of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,7 +53,9 @@ class NewRequest:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        # (command, its future, whether it may run when a forward starts), in the order submitted.
+        self._commands: deque[tuple[Callable[[], Any], Future, bool]] = deque()
+        self._commands_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -86,6 +90,7 @@ class AsyncEngine:
 
         def open_state() -> None:  # the forward starts: it reads only the step's plan
             flush()
+            self._run_commands(soon_only=True)
             self._in_forward = True
             self._state.release()
 
@@ -97,7 +102,7 @@ class AsyncEngine:
         self._state.acquire()
         try:
             while not self._stopped:
-                if not self._commands.empty():
+                if self._commands:
                     flush()  # a command (abort, stop) must not overtake the tokens before it
                 self._run_commands()
                 for request_id in self.core.expire_leases():
@@ -125,10 +130,10 @@ class AsyncEngine:
         """After the loop died: every queued command fails at once (its caller would wait forever)."""
         assert self.error is not None
         while True:
-            try:
-                _, fut = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            with self._commands_lock:
+                if not self._commands:
+                    return
+                _, fut, _ = self._commands.popleft()
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError(f"the engine loop stopped: {self.error}"))
 
@@ -142,12 +147,14 @@ class AsyncEngine:
         if problems:
             logger.error("kv_ownership_violation problems=%d first=%r", len(problems), problems[0])
 
-    def _run_commands(self) -> None:
+    def _run_commands(self, soon_only: bool = False) -> None:
+        """The queued commands in order; ``soon_only``: those from the front that ``run_soon`` queued (at a
+        forward's start, where the others may not run and none may overtake another)."""
         while True:
-            try:
-                fn, fut = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            with self._commands_lock:
+                if not self._commands or (soon_only and not self._commands[0][2]):
+                    return
+                fn, fut, _ = self._commands.popleft()
             if not fut.set_running_or_notify_cancel():
                 continue  # the caller gave up (cancelled RPC): skip the command
             self._idle_checked = False  # a command may change block ownership
@@ -173,12 +180,13 @@ class AsyncEngine:
 
     # ---- any thread -----------------------------------------------------------------------
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the engine thread between steps."""
+    def call(self, fn: Callable[[], Any], soon: bool = False) -> Future:
+        """Run ``fn`` on the engine thread between steps (``soon``: or when a forward starts, see ``run_soon``)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self.error}")
         fut: Future = Future()
-        self._commands.put((fn, fut))
+        with self._commands_lock:
+            self._commands.append((fn, fut, soon))
         self._wake.set()
         if self.error is not None:  # the loop died after the check above: it will never run the command
             self._fail_commands()
@@ -200,8 +208,8 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.call(fn))
 
     async def run_soon(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` at once on this thread if the engine thread is computing a forward, else between
-        steps (as ``run``).
+        """Run ``fn`` at once on this thread if the engine thread is computing a forward, else on the engine
+        thread when the next forward starts or at the step boundary, whichever comes first.
 
         Only for commands that touch no request of the step in flight and do not change the running
         batch: making a request and allocating blocks for it qualify; admitting, aborting or freeing a
@@ -212,7 +220,10 @@ class AsyncEngine:
                 return fn()
             finally:
                 self._state.release()
-        return await self.run(fn)
+        # The engine thread holds the state: it runs ``fn`` when the next forward starts (the step's
+        # sampling and update, or its scheduling, may still be ahead), or at the step boundary if that
+        # comes first or another command is queued ahead.
+        return await asyncio.wrap_future(self.call(fn, soon=True))
 
     async def stream(
         self, request: Request | NewRequest, admit: Callable[[Request], None] | None = None

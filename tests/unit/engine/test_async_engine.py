@@ -285,3 +285,66 @@ def test_run_soon_runs_during_the_forward_of_the_step_in_flight(checkpoint_facto
     finally:
         release.set()
         engine.shutdown()
+
+
+def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtakes(checkpoint_factory):
+    """Submitted while the engine thread schedules a step, a run_soon command runs when that step's forward
+    starts, not after the step; one queued behind another command waits with it for the boundary."""
+    engine = make_engine(checkpoint_factory("llama"))
+    events: list[str] = []
+    scheduling, go = threading.Event(), threading.Event()
+    hold = [False]
+    real_schedule, real_step = engine.core.scheduler.schedule, engine.core.step
+
+    def schedule():
+        if hold[0]:  # the engine thread holds the state here, before the forward
+            hold[0] = False
+            scheduling.set()
+            go.wait(10)
+        return real_schedule()
+
+    def step(before_forward=None, after_execute=None):
+        def before():
+            before_forward()
+            events.append("forward")  # the forward computes from here
+
+        deltas = real_step(before, after_execute)
+        events.append("step end")
+        return deltas
+
+    engine.core.scheduler.schedule = schedule
+    engine.core.step = step
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def during_schedule(*commands):
+        scheduling.clear()
+        go.clear()
+        hold[0] = True
+        while not scheduling.is_set():
+            await asyncio.sleep(0.002)
+        events.clear()
+        futures = [asyncio.ensure_future(c()) for c in commands]
+        await asyncio.sleep(0.05)
+        assert not any(f.done() for f in futures)  # the state is the engine thread's
+        go.set()
+        await asyncio.gather(*futures)
+        return list(events)
+
+    async def run():
+        stream = engine.generate("busy", [5, 6, 7, 8], params)
+        consume = asyncio.ensure_future(stream.__anext__())
+        soon_first = await during_schedule(lambda: engine.run_soon(lambda: events.append("soon")))
+        behind = await during_schedule(
+            lambda: engine.run(lambda: events.append("command")), lambda: engine.run_soon(lambda: events.append("soon"))
+        )
+        await consume
+        await stream.aclose()
+        return soon_first, behind
+
+    try:
+        soon_first, behind = asyncio.run(run())
+        assert soon_first[:2] == ["soon", "forward"]  # before the step in flight computed, let alone ended
+        assert behind[:4] == ["forward", "step end", "command", "soon"]
+    finally:
+        go.set()
+        engine.shutdown()
