@@ -103,6 +103,15 @@ def _min_tokens_targets(
     return rows_tensor, torch.tensor(token_ids, dtype=torch.int64, device=device)  # [N], [N]
 
 
+def _row_column(name: str, dtype: torch.dtype) -> cached_property[Tensor]:
+    """A ``SamplingBatch`` attribute: the rows' ``name`` as a [B] tensor, made on first read."""
+
+    def column(batch: SamplingBatch) -> Tensor:
+        return torch.tensor([getattr(p, name) for p in batch.params], dtype=dtype, device=batch.device)
+
+    return cached_property(column)
+
+
 @dataclass
 class SamplingBatch:
     """Per-step sampling state for the B rows that sample this step.
@@ -136,41 +145,19 @@ class SamplingBatch:
     token_bitmask: Tensor | None = None  # [B, ceil(V / 32)] int32, on the logits' device
     constrained_rows: list[int] | None = None  # the rows whose bitmask row is filled
 
-    def _column(self, name: str, dtype: torch.dtype) -> Tensor:
-        return torch.tensor([getattr(p, name) for p in self.params], dtype=dtype, device=self.device)  # [B]
-
-    @cached_property
-    def temperature(self) -> Tensor:  # [B] float32, raw request values
-        return self._column("temperature", torch.float32)
+    # [B] each, from the rows' SamplingParams: top_k int64 (0 = off), the others float32 (raw request values)
+    temperature = _row_column("temperature", torch.float32)
+    top_p = _row_column("top_p", torch.float32)
+    top_k = _row_column("top_k", torch.int64)
+    min_p = _row_column("min_p", torch.float32)
+    presence_penalty = _row_column("presence_penalty", torch.float32)
+    frequency_penalty = _row_column("frequency_penalty", torch.float32)
+    repetition_penalty = _row_column("repetition_penalty", torch.float32)
 
     @cached_property
     def is_greedy(self) -> Tensor:  # [B] bool
         return torch.tensor([p.temperature < GREEDY_EPSILON for p in self.params], dtype=torch.bool,
                             device=self.device)  # fmt: skip
-
-    @cached_property
-    def top_p(self) -> Tensor:  # [B] float32
-        return self._column("top_p", torch.float32)
-
-    @cached_property
-    def top_k(self) -> Tensor:  # [B] int64, 0 = off
-        return self._column("top_k", torch.int64)
-
-    @cached_property
-    def min_p(self) -> Tensor:  # [B] float32
-        return self._column("min_p", torch.float32)
-
-    @cached_property
-    def presence_penalty(self) -> Tensor:  # [B] float32
-        return self._column("presence_penalty", torch.float32)
-
-    @cached_property
-    def frequency_penalty(self) -> Tensor:  # [B] float32
-        return self._column("frequency_penalty", torch.float32)
-
-    @cached_property
-    def repetition_penalty(self) -> Tensor:  # [B] float32
-        return self._column("repetition_penalty", torch.float32)
 
     @classmethod
     def build(
