@@ -79,3 +79,30 @@ def test_fork_shares_blocks_and_copy_on_write_on_partial_block():
     kv.free("p")
     kv.free("p/1")
     assert kv.num_free_blocks == 8
+
+
+def test_block_ids_handed_out_stay_as_they_were_when_the_blocks_change():
+    """A decode token that fits the held blocks gets the same id list again; a new block or a copy on write
+    gives a new list and leaves the one handed out before untouched (a step's plan keeps its table)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    parent = make_request("p", list(range(6)))
+    first = kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    again = kv.allocate_slots(parent, 1)  # slot 6 fits block 1
+    assert again == [0, 1] and again is first
+    child = make_request("p/1", list(range(6)))
+    child.num_computed_tokens = 6
+    kv.fork(parent, child)
+    copied = kv.allocate_slots(child, 1)  # block 1 is shared: the child copies it
+    assert copied == [0, 2] and first == [0, 1]
+    child.num_computed_tokens = 7
+    assert kv.allocate_slots(child, 1) is copied  # slot 7 fits the copy
+    assert kv.allocate_slots(parent, 1) is first  # block 1 is the parent's alone again
+    parent.num_computed_tokens = 8
+    grown = kv.allocate_slots(parent, 1)  # slot 8 needs block 3
+    assert grown == [0, 1, 3] and first == [0, 1]
+    kv.free("p")
+    kv.free("p/1")
+    assert kv.num_free_blocks == 8
+    reused = kv.allocate_slots(make_request("p", [1, 2]), 2)  # the same id again: nothing of the old request
+    assert len(reused) == 1 and kv.block_ids("p") == reused and grown == [0, 1, 3]
