@@ -404,9 +404,7 @@ class EngineCore:
             sample_index=request.seed_offset,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
-            prompt_logprobs=(
-                None if request.sampling_params.prompt_logprobs is None else self._first_prompt_logprobs(request)
-            ),
+            prompt_logprobs=self._first_prompt_logprobs(request),
         )
 
     @staticmethod

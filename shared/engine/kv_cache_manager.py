@@ -142,7 +142,7 @@ class KVCacheManager:
         blocks = self.req_blocks.get(parent.request_id, [])
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = list(blocks)
-        self._ids[child.request_id] = [b.block_id for b in blocks]
+        self._ids[child.request_id] = self.block_ids(child.request_id)
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
 
     def free(self, request_id: str) -> None:

@@ -35,7 +35,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from shared.engine.sampling_params import GREEDY_EPSILON, SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.token_constraints import TokenConstraints, apply_token_constraints, build_token_constraints
 from shared.kernels import cpu_kernels
 
@@ -123,6 +123,7 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     device: torch.device | str
+    greedy_rows: list[bool]  # per row: SamplingParams.is_greedy (argmax)
     all_greedy: bool
     any_greedy: bool
     any_penalties: bool
@@ -156,8 +157,7 @@ class SamplingBatch:
 
     @cached_property
     def is_greedy(self) -> Tensor:  # [B] bool
-        return torch.tensor([p.temperature < GREEDY_EPSILON for p in self.params], dtype=torch.bool,
-                            device=self.device)  # fmt: skip
+        return torch.tensor(self.greedy_rows, dtype=torch.bool, device=self.device)
 
     @classmethod
     def build(
@@ -171,7 +171,7 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         assert len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)
-        is_greedy_list = [p.temperature < GREEDY_EPSILON for p in params]
+        greedy_rows = [p.is_greedy for p in params]
         any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         any_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
 
@@ -181,8 +181,9 @@ class SamplingBatch:
         return cls(
             params=params,
             device=device,
-            all_greedy=all(is_greedy_list),
-            any_greedy=any(is_greedy_list),
+            greedy_rows=greedy_rows,
+            all_greedy=all(greedy_rows),
+            any_greedy=any(greedy_rows),
             any_penalties=any_repetition or any_freq_pres,
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
@@ -192,7 +193,7 @@ class SamplingBatch:
             any_repetition=any_repetition,
             any_frequency_presence=any_freq_pres,
             generators=list(generators),
-            seeded_rows=[row for row, g in enumerate(generators) if g is not None and not is_greedy_list[row]],
+            seeded_rows=[row for row, g in enumerate(generators) if g is not None and not greedy_rows[row]],
             output_token_counts=None,  # the penalties' count tensors: made when applied without the CPU kernel
             seen_token_mask=None,
             min_tokens_rows=min_tokens[0] if min_tokens else None,
