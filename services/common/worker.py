@@ -226,8 +226,11 @@ class WorkerBase:
     async def invalid(self, context, e: InvalidRequestError) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def stream(self, req: Request | NewRequest, admit=None) -> AsyncGenerator[RequestOutputDelta, None]:
-        """``engine.stream`` with the request's latency metrics observed on the way."""
+    async def stream(
+        self, req: Request | NewRequest, admit=None, announce: bool = False
+    ) -> AsyncGenerator[RequestOutputDelta, None]:
+        """``engine.stream`` with the request's latency metrics observed on the way (the admission's
+        announcement, ``announce``, is no token: not observed)."""
         trackers: list[RequestTracker] = []
         if isinstance(req, NewRequest):  # made on the engine thread: its tracker starts there
 
@@ -240,9 +243,12 @@ class WorkerBase:
         else:
             trackers.append(self.metrics.tracker(req))
         # aclosing: leaving early closes the engine stream at once, which aborts the request.
-        async with aclosing(self.engine.stream(req, admit)) as deltas:
+        async with aclosing(self.engine.stream(req, admit, announce)) as deltas:
             async for delta in deltas:
-                trackers[0].on_delta(delta)
+                if announce:
+                    announce = False  # the first delta: the announcement
+                else:
+                    trackers[0].on_delta(delta)
                 yield delta
 
     def parent_context(self, context) -> Context:

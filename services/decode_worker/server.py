@@ -173,7 +173,7 @@ class DecodeWorker(WorkerBase):
         source = req if req is not None else NewRequest(request.request_id, list(request.prompt_token_ids), params,
                                                         made.append)  # fmt: skip
         try:
-            async with aclosing(self.stream(source, admit)) as deltas:
+            async with aclosing(self.stream(source, admit, request.announce_admission)) as deltas:
                 async for delta in deltas:
                     msg = pb.GenerateResponse(
                         tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",

@@ -240,6 +240,7 @@ def start_choices(state: RouterState, run: RequestRun) -> AsyncGenerator[ChoiceD
         state.settings.migration_limit,
         state.tracing,
         trace.set_span_in_context(run.span),
+        first_token_at_decode=state.settings.first_token_at == "decode",
     )
     eos = state.model_info().eos_token_ids
 

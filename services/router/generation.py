@@ -67,6 +67,9 @@ class CallContext:
 
     tracing: Tracing | None = None
     trace_parent: Context | None = None  # holds the request's span: parent of the route spans
+    # Disaggregated: the prefill's first token goes out once the decode worker has queued the request (its
+    # announcement), not at once (--first-token-at).
+    first_token_at_decode: bool = False
     # Samples of forked requests the router cut (stop strings): their worker ends them at once.
     cut_samples: set[str] = field(default_factory=set)
     ended_samples: set[str] = field(default_factory=set)  # every sample cut so far (cut_samples empties)
@@ -411,21 +414,31 @@ async def worker_tokens(ctx: CallContext, spec: ChoiceSpec) -> AsyncGenerator[wo
         return
     finished = bool(first.finish_reason) or not first.HasField("kv_handle")
     try:
+        held = None  # the first token, until the decode worker announces the request
         if not fork:  # a fork's first tokens come from the decode worker, one per sample
-            yield worker_pb2.GenerateResponse(
+            held = worker_pb2.GenerateResponse(
                 tokens=[first.first_token],
                 finish_reason=first.finish_reason,
                 num_prompt_tokens=first.num_prompt_tokens,
                 num_cached_tokens=first.num_cached_tokens,
                 prompt_logprobs=first.prompt_logprobs,
             )
+            if finished or not ctx.first_token_at_decode:
+                yield held
+                held = None
             if finished:
                 return
         request.sampling.ClearField("prompt_logprobs")  # the prefill worker scored the prompt
         request.first_token.CopyFrom(first.first_token)
         request.kv_handle.CopyFrom(first.kv_handle)
+        request.announce_admission = held is not None
         async with aclosing(_decode(ctx, request, route)) as responses:
             async for response in responses:
+                if held is not None:
+                    yield held
+                    held = None
+                    if not response.tokens and not response.finish_reason:
+                        continue  # the announcement
                 finished = bool(response.finish_reason)
                 yield response
     finally:

@@ -67,6 +67,7 @@ def migrated_request(request: worker_pb2.GenerateRequest, generated: list[int]) 
     moved.CopyFrom(request)
     moved.ClearField("first_token")
     moved.ClearField("kv_handle")
+    moved.announce_admission = False  # the client has the first token
     del moved.generated_token_ids[:]
     moved.generated_token_ids.extend(generated)
     return moved

@@ -21,6 +21,7 @@ ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WORKER_STREAMS = ("shared", "per-call")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+FIRST_TOKEN_AT = ("decode", "prefill")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RouterSettings:
     max_model_len: int | None = None
     routing_policy: str = "least_loaded"
     disagg_min_prompt_tokens: int = 0
+    first_token_at: str = "decode"
     health_interval_s: float = 2.0
     rpc_timeout_s: float = 600.0
     worker_streams: str = "shared"
@@ -102,6 +104,15 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "prompts shorter than this skip the prefill pool and run aggregated on a decode worker",
         type=int,
         default=0,
+    )
+    add(
+        "--first-token-at",
+        "disaggregated requests: when the client gets the first token, which the prefill worker samples. "
+        "decode (default): once a decode worker has pulled the request's KV and queued it, so the tokens then "
+        "come at the pace of its steps; prefill: at once, earlier by the pull and the wait for the decode "
+        "worker's next step, which the client then sees as a pause after the first token",
+        choices=FIRST_TOKEN_AT,
+        default="decode",
     )
     add(
         "--kv-overlap-weight",
@@ -217,6 +228,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         max_model_len=args.max_model_len,
         routing_policy=policy,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        first_token_at=args.first_token_at,
         health_interval_s=args.health_interval,
         rpc_timeout_s=args.rpc_timeout,
         worker_streams=args.worker_streams,

@@ -226,11 +226,12 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.call(fn, soon=True))
 
     async def stream(
-        self, request: Request | NewRequest, admit: Callable[[Request], None] | None = None
+        self, request: Request | NewRequest, admit: Callable[[Request], None] | None = None, announce: bool = False
     ) -> AsyncGenerator[RequestOutputDelta, None]:
         """Admit ``request`` (default: queue it) and yield its deltas until it finishes. A
         ``NewRequest`` is made in the admitting command; its ``make_request`` errors (InvalidRequestError)
-        are raised here, before any delta.
+        are raised here, before any delta. ``announce``: first yield one delta without tokens once the
+        request is admitted (before the step that computes it ends).
 
         Leaving the iterator early (client gone, stop string) aborts the request.
         """
@@ -260,6 +261,8 @@ class AsyncEngine:
                 if not made_here[0]:
                     num_open = 0  # never made: nothing to abort (the id may be another request's)
                 raise
+            if announce:
+                yield RequestOutputDelta(request_id=request_id, new_token_ids=[])
             while num_open:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -29,6 +29,7 @@ def prompts(model_dir):
         "warm": prefix + [rng.randrange(3, vocab) for _ in range(10)],
         "partial": prefix + [rng.randrange(3, vocab) for _ in range(30)],  # 78 tokens: 5 blocks, 3 cached
         "covered": list(prefix),  # 3 full blocks, all cached
+        "announced": [rng.randrange(3, vocab) for _ in range(40)],
     }
 
 
@@ -64,25 +65,27 @@ def params() -> pb.SamplingParams:
                              ignore_eos=True)  # fmt: skip
 
 
-def generate(decode, request_id: str, prompt: list[int], first: pb.PrefillResponse | None = None):
+def generate(decode, request_id: str, prompt: list[int], first: pb.PrefillResponse | None = None, announce=False):
     """Run on the decode worker (with a KV handle when ``first`` is given); all tokens and the first message."""
     extra = {"first_token": first.first_token, "kv_handle": first.kv_handle} if first else {}
     with grpc.insecure_channel(decode.info["grpc"]) as ch:
         stream = pb_grpc.DecodeWorkerStub(ch).Generate(
-            pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params(), **extra), timeout=60
-        )
+            pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params(),
+                               announce_admission=announce, **extra),
+            timeout=60,
+        )  # fmt: skip
         messages = list(stream)
     head = [first.first_token.token_id] if first else []
     return head + [t.token_id for m in messages for t in m.tokens], messages[0]
 
 
-def disaggregated(prefill, decode, request_id: str, prompt: list[int]):
+def disaggregated(prefill, decode, request_id: str, prompt: list[int], announce=False):
     with grpc.insecure_channel(prefill.info["grpc"]) as ch:
         first = pb_grpc.PrefillWorkerStub(ch).Prefill(
             pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params()), timeout=60
         )
     assert len(first.kv_handle.block_ids) == -(-len(prompt) // BLOCK)
-    return generate(decode, request_id, prompt, first)
+    return generate(decode, request_id, prompt, first, announce)
 
 
 def test_decode_worker_pulls_only_blocks_its_cache_lacks(workers, prompts, expected, model_dir):
@@ -110,6 +113,16 @@ def test_decode_worker_pulls_only_blocks_its_cache_lacks(workers, prompts, expec
         assert time.monotonic() < deadline, "cleave_kv_pull_cached_tokens_total stayed short"
         time.sleep(0.2)
     assert scrape(port, "cleave_kv_pull_cached_tokens_total") == 2 * 3 * BLOCK
+
+
+def test_an_announced_request_gets_a_message_without_tokens_once_its_kv_is_pulled(
+    workers, prompts, expected, model_dir
+):
+    prefill, decode = workers
+    tokens, head = disaggregated(prefill, decode, "announced", prompts["announced"], announce=True)
+    assert tokens == expected["announced"]  # the tokens after the announcement are those of a plain pull
+    assert list(head.tokens) == [] and head.finish_reason == ""
+    assert head.kv_transfer_bytes == 3 * block_bytes(model_dir) and not head.kv_recomputed
 
 
 def test_prefill_leases_are_released_and_decode_blocks_return(workers, prompts):

@@ -10,7 +10,7 @@ import pytest
 
 from shared.config import EngineConfig
 from shared.engine import LLM, SamplingParams
-from shared.engine.async_engine import AsyncEngine, EngineDeadError
+from shared.engine.async_engine import AsyncEngine, EngineDeadError, NewRequest
 from shared.engine.sampling_params import InvalidRequestError
 
 
@@ -38,6 +38,34 @@ def test_concurrent_streams_match_offline_and_free_blocks(checkpoint_factory):
     try:
         assert asyncio.run(run()) == expected
         assert engine.core.stats().num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_an_announced_stream_yields_one_delta_without_tokens_once_admitted(checkpoint_factory):
+    model_dir = checkpoint_factory("llama")
+    prompt, params = list(range(5, 16)), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = LLM(model=str(model_dir), dtype="float32", num_blocks=64, block_size=4).generate([prompt], params)
+    engine = make_engine(model_dir)
+    gate = threading.Event()
+
+    def hold_the_next_step(_request) -> None:  # on the engine thread, in the admitting command
+        engine.call(gate.wait)  # runs right after that command: no step before the gate opens
+
+    async def run():
+        deltas = []
+        async for delta in engine.stream(NewRequest("a", prompt, params, hold_the_next_step), announce=True):
+            if not deltas:  # the announcement: the request is queued, and no step has computed it
+                assert engine.core.scheduler.requests["a"].num_computed_tokens == 0
+                gate.set()
+            deltas.append(delta)
+        return deltas
+
+    try:
+        deltas = asyncio.run(run())
+        assert deltas[0].new_token_ids == [] and not deltas[0].finished
+        assert all(d.new_token_ids for d in deltas[1:])
+        assert [t for d in deltas for t in d.new_token_ids] == expected[0].outputs[0].token_ids
     finally:
         engine.shutdown()
 

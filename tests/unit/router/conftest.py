@@ -49,6 +49,7 @@ class WorkerScript:
     fail_prefill: grpc.StatusCode | None = None
     fail_generate: grpc.StatusCode | None = None
     break_after: int | None = None  # the next Generate stream breaks (UNAVAILABLE) after this many messages
+    decode_gate: threading.Event | None = None  # when set: Generate sends nothing until the event is
     # Recorded calls
     prefill_requests: list = field(default_factory=list)
     generate_requests: list = field(default_factory=list)
@@ -184,6 +185,10 @@ class FakeDecodeWorker(_Health, worker_pb2_grpc.DecodeWorkerServicer):
         _count_stream(script, 1)
         context.add_callback(lambda: _count_stream(script, -1))
         num_sent = 0
+        if script.decode_gate is not None:
+            script.decode_gate.wait(timeout=30)
+        if request.announce_admission:  # as a real decode worker: once the request is queued, no tokens
+            yield worker_pb2.GenerateResponse()
         # n > 1 (a fork): sample i follows the script with seed + i (when seeded), one sample after the other.
         for sample in range(max(1, request.sampling.n)):
             sampling = worker_pb2.SamplingParams()

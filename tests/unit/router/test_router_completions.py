@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -145,13 +149,65 @@ def test_stop_string_non_stream_with_list(agg_router, script, tokenizer):
     assert body["usage"]["completion_tokens"] == consumed
 
 
-def test_stop_string_in_first_token_releases_the_kv(router, script, tokenizer, eventually):
+@pytest.mark.parametrize("first_token_at", ["decode", "prefill"])
+def test_stop_string_in_first_token_releases_the_kv(router_factory, script, tokenizer, eventually, first_token_at):
+    router = router_factory(first_token_at=first_token_at)
     first_text = tokenizer.decode(script.ids(1))
     body = post(router, {"prompt": "Hi", "max_tokens": 10, "stop": first_text.strip()}).json()
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["choices"][0]["text"] == first_text[: first_text.index(first_text.strip())]
-    assert script.generate_requests == []
+    if first_token_at == "prefill":
+        assert script.generate_requests == []  # the router saw the stop before it asked a decode worker
+    else:  # the token waited for the decode worker's announcement; the request there ends at once
+        assert eventually(lambda: script.generate_requests[0].request_id in script.aborted)
     assert eventually(lambda: script.prefill_requests[0].request_id in script.released)
+
+
+def _stream_in_background(router, body: dict) -> tuple[list, threading.Thread]:
+    """POST ``body`` streaming; the SSE payloads land in the returned list as they arrive."""
+    events: list = []
+
+    def run() -> None:
+        with httpx.Client(base_url=router.url, timeout=30) as client:
+            with client.stream("POST", "/v1/completions", json={"model": MODEL, **body, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[len("data: ") :]))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return events, thread
+
+
+def test_first_token_waits_for_the_decode_worker_to_queue_the_request(router, script, tokenizer, eventually):
+    script.decode_gate = threading.Event()
+    events, thread = _stream_in_background(router, {"prompt": "Hi", "max_tokens": 6})
+    assert eventually(lambda: len(script.generate_requests) == 1)
+    assert script.generate_requests[0].announce_admission
+    time.sleep(0.3)  # the router has the prefill's first token, and holds it
+    assert events == []
+    script.decode_gate.set()
+    thread.join(timeout=30)
+    # One chunk per token (the announcement is none), then the usage-less final chunk has the finish reason.
+    texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
+    assert "".join(texts) == tokenizer.decode(script.ids(6))
+    assert len(texts) == 6
+
+
+def test_first_token_at_prefill_goes_out_before_the_decode_worker_answers(
+    router_factory, script, tokenizer, eventually
+):
+    router = router_factory(first_token_at="prefill")
+    script.decode_gate = threading.Event()
+    events, thread = _stream_in_background(router, {"prompt": "Hi", "max_tokens": 6})
+    try:
+        assert eventually(lambda: len(events) == 1)
+        assert events[0]["choices"][0]["text"] == tokenizer.decode(script.ids(1))
+        assert not script.generate_requests[0].announce_admission
+    finally:
+        script.decode_gate.set()
+        thread.join(timeout=30)
+    assert "".join(e["choices"][0]["text"] for e in events) == tokenizer.decode(script.ids(6))
 
 
 def test_stop_token_id_text_is_dropped(agg_router, script, tokenizer):
