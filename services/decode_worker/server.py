@@ -169,11 +169,14 @@ class DecodeWorker(WorkerBase):
             if params.n > 1:
                 matcher = None if params.constraint is None else core.grammar_backend().matcher(params.constraint)
                 admit = resample_first_token(req, admit, core.config.block_size, matcher)
+        # Announced once its pulled KV is in place: a request that computes its prompt here (no handle, or a
+        # failed pull) is a prefill away from its next token, which it then sends instead.
+        announce = request.announce_admission and admit is not None
         first = True
         source = req if req is not None else NewRequest(request.request_id, list(request.prompt_token_ids), params,
                                                         made.append)  # fmt: skip
         try:
-            async with aclosing(self.stream(source, admit, request.announce_admission)) as deltas:
+            async with aclosing(self.stream(source, admit, announce)) as deltas:
                 async for delta in deltas:
                     msg = pb.GenerateResponse(
                         tokens=[token_to_proto(s) for s in delta.new_samples], finish_reason=delta.finish_reason or "",

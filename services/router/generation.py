@@ -6,7 +6,10 @@ One choice (of ``n``, of each prompt) is one worker request. Disaggregated:
 prefill pool, no healthy prefill worker, a single-token request or a prompt
 under ``disagg_min_prompt_tokens``): ``Generate`` alone. On the disaggregated
 path the decode stream carries only the tokens after ``first_token``, which the
-router already has from the prefill worker. A ``ChoiceDecoder``
+router already has from the prefill worker and sends on once the decode worker
+announces that it queued the request (``--first-token-at decode``: the client's
+stream then starts at the decode worker's pace, without the hand-off's pause
+after the first token) or at once (``prefill``). A ``ChoiceDecoder``
 turns token batches into text deltas; ``run_choices`` runs the choices as tasks
 and yields their deltas in arrival order, cancelling everything when its
 consumer stops (stop string, client gone), which aborts the worker requests.

@@ -49,7 +49,9 @@ def prefill(proc, request_id: str) -> pb.PrefillResponse:
         )
 
 
-def generate(proc, request_id: str, first: pb.PrefillResponse) -> tuple[list[int], pb.GenerateResponse]:
+def generate(
+    proc, request_id: str, first: pb.PrefillResponse, announce: bool = False
+) -> tuple[list[int], pb.GenerateResponse]:
     with grpc.insecure_channel(proc.info["grpc"]) as ch:
         stream = pb_grpc.DecodeWorkerStub(ch).Generate(
             pb.GenerateRequest(
@@ -58,6 +60,7 @@ def generate(proc, request_id: str, first: pb.PrefillResponse) -> tuple[list[int
                 sampling=params(),
                 first_token=first.first_token,
                 kv_handle=first.kv_handle,
+                announce_admission=announce,
             ),  # fmt: skip
             timeout=60,
         )
@@ -132,5 +135,6 @@ def test_dead_prefill_worker_falls_back_to_recompute(model_dir, workers, expecte
     doomed = wait_worker(start_worker("prefill", model_dir, "--kv-transfer-backend", "tcp"))
     first = prefill(doomed, "dead-1")
     doomed.stop(sig=9)
-    tokens, head = generate(decode_proc, "dead-1", first)
+    tokens, head = generate(decode_proc, "dead-1", first, announce=True)
     assert head.kv_recomputed and tokens == expected
+    assert head.tokens  # not announced: a prompt computed here leads with its next token, not a queue slot
