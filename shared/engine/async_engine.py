@@ -29,6 +29,8 @@ from shared.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("cleave.engine")
 
+IDLE_CHECK_AFTER_S = 0.05  # idle this long (no command, no request) before the block-ownership check
+
 
 class EngineDeadError(RuntimeError):
     pass
@@ -112,8 +114,11 @@ class AsyncEngine:
                     flush()
                     if self.core.core_share is not None:
                         self.core.core_share.idle()  # a prefill worker's CPUs may be borrowed meanwhile
-                    self._check_idle()
-                    self._wake.wait(0.05)
+                    # The check walks every block holding the GIL (milliseconds on a large cache): it waits
+                    # for a quiet moment instead of delaying the caller of the command just run, or the
+                    # stream of the request that just finished, by that long.
+                    if not self._wake.wait(IDLE_CHECK_AFTER_S):
+                        self._check_idle()
                     self._wake.clear()
                     continue
                 self._idle_checked = False

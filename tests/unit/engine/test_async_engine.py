@@ -10,7 +10,7 @@ import pytest
 
 from shared.config import EngineConfig
 from shared.engine import LLM, SamplingParams
-from shared.engine.async_engine import AsyncEngine, EngineDeadError, NewRequest
+from shared.engine.async_engine import IDLE_CHECK_AFTER_S, AsyncEngine, EngineDeadError, NewRequest
 from shared.engine.sampling_params import InvalidRequestError
 
 
@@ -66,6 +66,29 @@ def test_an_announced_stream_yields_one_delta_without_tokens_once_admitted(check
         assert deltas[0].new_token_ids == [] and not deltas[0].finished
         assert all(d.new_token_ids for d in deltas[1:])
         assert [t for d in deltas for t in d.new_token_ids] == expected[0].outputs[0].token_ids
+    finally:
+        engine.shutdown()
+
+
+def test_the_idle_ownership_check_waits_for_a_quiet_moment_after_a_command(checkpoint_factory):
+    engine = make_engine(checkpoint_factory("llama"))
+    checks: list[float] = []
+    check = engine.core.ownership_problems
+
+    def timed_check() -> list[str]:
+        checks.append(time.monotonic())
+        return check()
+
+    engine.core.ownership_problems = timed_check
+    try:
+        # A command on an idle engine: the check (milliseconds on a large cache, the GIL held) must not
+        # run between the command and its caller's next step; it comes once nothing else has arrived.
+        ran_at = engine.call(time.monotonic).result(timeout=10)
+        deadline = time.monotonic() + 10
+        while not [t for t in checks if t > ran_at] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = [t for t in checks if t > ran_at]
+        assert after and after[0] - ran_at >= 0.9 * IDLE_CHECK_AFTER_S
     finally:
         engine.shutdown()
 
