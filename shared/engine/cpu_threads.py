@@ -219,6 +219,7 @@ class CoreShare:
         lib: ctypes.CDLL | None = None,
         clock: Callable[[], float] = time.monotonic,
         borrow_max_requests: int | None = None,
+        lend_after_rest_s: float | None = None,
     ) -> None:
         from shared import flags
 
@@ -244,6 +245,11 @@ class CoreShare:
         self.own_threads = max(1, own_threads)
         # Borrow only while this engine holds at most this many requests (None: any number); see before_step.
         self.borrow_max_requests = borrow_max_requests
+        # Where set: in a spell of work that began after this engine had itself been idle LEND_AFTER_S (a
+        # request after a quiet moment, not the next of a queue), lenders idle this long already lend, until
+        # the engine holds more than borrow_max_requests.
+        self.lend_after_rest_s = lend_after_rest_s
+        self._rested = False  # the current spell of work began after such a rest
         self.borrowing = False
         self.changes = 0
         self._clock = clock
@@ -265,11 +271,11 @@ class CoreShare:
         """This lender's slot: 0.0 (computing) or the time it went idle."""
         SLOT.pack_into(self._map, self.slot * SLOT.size, value)
 
-    def lenders_idle(self) -> bool:
+    def lenders_idle(self, after_s: float = LEND_AFTER_S) -> bool:
         now = self._clock()
         for i in self.lender_slots:
             idle_since = SLOT.unpack_from(self._map, i * SLOT.size)[0]
-            if idle_since <= 0.0 or now - idle_since < LEND_AFTER_S:
+            if idle_since <= 0.0 or now - idle_since < after_s:
                 return False
         return True
 
@@ -277,12 +283,16 @@ class CoreShare:
         """``num_requests``: what the engine holds (running and waiting); above ``borrow_max_requests`` it
         does not borrow."""
         if self.slot >= 0 and not self.busy:
+            idle_since = SLOT.unpack_from(self._map, self.slot * SLOT.size)[0]
+            self._rested = idle_since > 0.0 and self._clock() - idle_since >= LEND_AFTER_S
             self.busy = True
             self._mark(0.0)
         if not self.lender_slots:
             return
         few = self.borrow_max_requests is None or num_requests <= self.borrow_max_requests
-        borrow = few and self.lenders_idle()
+        self._rested = self._rested and few  # a queue formed: a burst is on, not a request after a rest
+        after_s = self.lend_after_rest_s if self._rested and self.lend_after_rest_s is not None else LEND_AFTER_S
+        borrow = few and self.lenders_idle(after_s)
         if borrow != self.borrowing:
             self.borrowing = borrow
             self.changes += 1

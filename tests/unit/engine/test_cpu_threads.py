@@ -251,3 +251,30 @@ def test_core_share_refuses_a_malformed_spec(tmp_path, spec):
     path = _share_file(tmp_path, 2)
     with pytest.raises(ValueError):
         CoreShare(spec.format(path=path))
+
+
+def test_a_prefill_borrower_back_from_a_rest_takes_the_cpus_the_decode_side_just_freed(tmp_path):
+    """One request at a time: the next prompt arrives as the decode worker finishes the last one. A prefill
+    worker that rested meanwhile borrows at once; one still working through a queue waits LEND_AFTER_S."""
+    path = _share_file(tmp_path, 2)
+    now = [100.0]
+    lib = RecordingLib()
+    prefill = CoreShare(f"{path}:lend:0:borrow:1:1", lib=lib, clock=lambda: now[0], borrow_max_requests=1,  # type: ignore[arg-type]
+                        lend_after_rest_s=0.0)  # fmt: skip
+    decode = CoreShare(f"{path}:lend:1", clock=lambda: now[0])
+    prefill.idle()  # its prompt is handed off; the request decodes
+    now[0] += LEND_AFTER_S * 3
+    decode.idle()  # and ends
+    now[0] += LEND_AFTER_S * 0.01
+    prefill.before_step(num_requests=1)  # the next prompt, right away
+    assert prefill.borrowing and lib.calls[-1] == ("threads", 2)
+    decode.before_step()  # its hand-off: the decode side computes again
+    prefill.before_step(num_requests=3)  # and more prompts queued: a burst
+    assert not prefill.borrowing
+    decode.idle()  # the decode side idles while the prefill worker works through its queue: the usual wait
+    now[0] += LEND_AFTER_S * 0.5
+    prefill.before_step(num_requests=1)
+    assert not prefill.borrowing
+    now[0] += LEND_AFTER_S
+    prefill.before_step(num_requests=1)
+    assert prefill.borrowing
