@@ -379,6 +379,9 @@ def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtake
         assert not any(f.done() for f in futures)  # the state is the engine thread's
         go.set()
         await asyncio.gather(*futures)
+        deadline = time.monotonic() + 10
+        while "step end" not in events and time.monotonic() < deadline:  # the engine thread goes on meanwhile
+            await asyncio.sleep(0.002)
         return list(events)
 
     async def run():
