@@ -27,7 +27,7 @@ from services.common.metrics import RequestTracker, WorkerMetrics
 from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine, NewRequest
-from shared.engine.cpu_threads import CoreShare
+from shared.engine.cpu_threads import LEND_AFTER_S, CoreShare
 from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -132,7 +132,7 @@ class WorkerBase:
             core.core_share = CoreShare(
                 args.core_share, own_threads=torch.get_num_threads(), lib=cpu_kernels.load(),
                 borrow_max_requests=PREFILL_BORROW_MAX_REQUESTS if self.role == "prefill" else None,
-                lend_after_rest_s=PREFILL_LEND_AFTER_REST_S if self.role == "prefill" else None,
+                lend_after_rest_s=PREFILL_LEND_AFTER_REST_S if self.role == "prefill" else LEND_AFTER_S,
             )  # fmt: skip
             logger.info("core_share role=%s lent_cpus=%s", core.core_share.role,
                         flags.format_cpu_list(core.core_share.lent_cpus) or "-")  # fmt: skip

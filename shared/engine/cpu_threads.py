@@ -219,7 +219,7 @@ class CoreShare:
         lib: ctypes.CDLL | None = None,
         clock: Callable[[], float] = time.monotonic,
         borrow_max_requests: int | None = None,
-        lend_after_rest_s: float | None = None,
+        lend_after_rest_s: float = LEND_AFTER_S,
     ) -> None:
         from shared import flags
 
@@ -245,7 +245,7 @@ class CoreShare:
         self.own_threads = max(1, own_threads)
         # Borrow only while this engine holds at most this many requests (None: any number); see before_step.
         self.borrow_max_requests = borrow_max_requests
-        # Where set: in a spell of work that began after this engine had itself been idle LEND_AFTER_S (a
+        # In a spell of work that began after this engine had itself been idle LEND_AFTER_S (a
         # request after a quiet moment, not the next of a queue), lenders idle this long already lend, until
         # the engine holds more than borrow_max_requests.
         self.lend_after_rest_s = lend_after_rest_s
@@ -271,10 +271,14 @@ class CoreShare:
         """This lender's slot: 0.0 (computing) or the time it went idle."""
         SLOT.pack_into(self._map, self.slot * SLOT.size, value)
 
+    def _idle_since(self, slot: int) -> float:
+        """When the lender in ``slot`` went idle (0.0 while it computes)."""
+        return SLOT.unpack_from(self._map, slot * SLOT.size)[0]
+
     def lenders_idle(self, after_s: float = LEND_AFTER_S) -> bool:
         now = self._clock()
         for i in self.lender_slots:
-            idle_since = SLOT.unpack_from(self._map, i * SLOT.size)[0]
+            idle_since = self._idle_since(i)
             if idle_since <= 0.0 or now - idle_since < after_s:
                 return False
         return True
@@ -283,7 +287,7 @@ class CoreShare:
         """``num_requests``: what the engine holds (running and waiting); above ``borrow_max_requests`` it
         does not borrow."""
         if self.slot >= 0 and not self.busy:
-            idle_since = SLOT.unpack_from(self._map, self.slot * SLOT.size)[0]
+            idle_since = self._idle_since(self.slot)
             self._rested = idle_since > 0.0 and self._clock() - idle_since >= LEND_AFTER_S
             self.busy = True
             self._mark(0.0)
@@ -291,8 +295,7 @@ class CoreShare:
             return
         few = self.borrow_max_requests is None or num_requests <= self.borrow_max_requests
         self._rested = self._rested and few  # a queue formed: a burst is on, not a request after a rest
-        after_s = self.lend_after_rest_s if self._rested and self.lend_after_rest_s is not None else LEND_AFTER_S
-        borrow = few and self.lenders_idle(after_s)
+        borrow = few and self.lenders_idle(self.lend_after_rest_s if self._rested else LEND_AFTER_S)
         if borrow != self.borrowing:
             self.borrowing = borrow
             self.changes += 1
