@@ -211,14 +211,24 @@ static void tile_row(const float *x, int64_t ldx, const float *w, int64_t ldw, f
     tile(1, TILE_ROW_COLS, x, ldx, w, ldw, y, ldy, rows, cols, k);
 }
 
-/* Columns [n0, n0 + nc) of y for every row: tiles of TILE_A_ROWS rows, then 2-row and 1-row tiles. */
+/* Columns [n0, n0 + nc) of y for every row: tiles of TILE_A_ROWS rows, then 2-row and 1-row tiles. While
+ * the tall tiles run, the weights of the block this thread takes next (next_bytes from next; 0: none) are
+ * loaded a share per tile: the block's first tiles otherwise wait on memory for the whole block, the
+ * later ones find it in the caches (on one thread, a quarter less time at 64 rows, a tenth at 4 rows;
+ * below TILE_A_ROWS rows the block is one pass, left to the hardware's own prefetching). */
 static void column_block(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int m, int n0, int nc,
-                         int k) {
+                         int k, const char *next, int64_t next_bytes) {
+    const int tiles = m / TILE_A_ROWS * ((nc + TILE_A_COLS - 1) / TILE_A_COLS);
+    const int64_t share = tiles > 0 ? (next_bytes / tiles + 64) / 64 * 64 : 0; /* whole lines, all covered */
+    int64_t fetched = 0;
     int r0 = 0;
     for (; r0 + TILE_A_ROWS <= m; r0 += TILE_A_ROWS)
-        for (int c0 = 0; c0 < nc; c0 += TILE_A_COLS)
+        for (int c0 = 0; c0 < nc; c0 += TILE_A_COLS) {
+            for (const int64_t end = fetched + share; fetched < end && fetched < next_bytes; fetched += 64)
+                _mm_prefetch(next + fetched, _MM_HINT_T0);
             tile_a(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy,
                    TILE_A_ROWS, nc - c0 < TILE_A_COLS ? nc - c0 : TILE_A_COLS, k);
+        }
     for (; r0 + 2 <= m; r0 += 2)
         for (int c0 = 0; c0 < nc; c0 += TILE_B_COLS)
             tile_b(x + (int64_t)r0 * ldx, ldx, w + (int64_t)(n0 + c0) * k, k, y + (int64_t)r0 * ldy + n0 + c0, ldy, 2,
@@ -341,11 +351,17 @@ typedef struct {
     int m, n, k, block;
 } LinearArgs;
 
+/* Column blocks a thread takes at a time: runs of several, so that column_block has the next one to fetch
+ * while it computes (with two threads, 64 rows: a tenth less time than single blocks; 16 rows: a fifth). */
+#define LINEAR_GRAIN 4
+
 static void column_blocks(void *p, int64_t b0, int64_t b1) {
     const LinearArgs *a = p;
     for (int64_t b = b0; b < b1; b++) {
         const int n0 = (int)b * a->block, nc = a->n - n0 < a->block ? a->n - n0 : a->block;
-        column_block(a->x, a->ldx, a->w, a->y, a->ldy, a->m, n0, nc, a->k);
+        const int n1 = n0 + nc, next_cols = a->n - n1 < a->block ? a->n - n1 : a->block;
+        column_block(a->x, a->ldx, a->w, a->y, a->ldy, a->m, n0, nc, a->k, (const char *)(a->w + (int64_t)n1 * a->k),
+                     b + 1 < b1 ? (int64_t)next_cols * a->k * (int64_t)sizeof(float) : 0);
     }
 }
 
@@ -357,7 +373,7 @@ void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t l
     if ((int64_t)m * n * k < 65536)
         column_blocks(&a, 0, blocks);
     else
-        pool_for(blocks, 1, column_blocks, &a);
+        pool_for(blocks, LINEAR_GRAIN, column_blocks, &a);
 }
 
 #else /* neither AVX-512 nor AVX2 with FMA: callers keep torch's BLAS */
