@@ -1,5 +1,5 @@
-"""``python -m shared.bench.decode_step``: decode step time against the memory roofline
-and against the model's linear layers alone.
+"""``python -m shared.bench.decode_step``: decode step time against the memory roofline,
+against the model's linear layers alone, and against those plus the decode attention.
 
 For each batch size, fills the engine with that many requests of
 ``--context-len`` prompt tokens, lets them reach decode, then times
@@ -8,7 +8,11 @@ plus the live KV cache once at the measured copy bandwidth (a device-to-device
 copy of ``--copy-bytes``, counted as read + write). The linear bound is the time
 the step's matrix products alone take at the same shapes (every projection of
 every layer on ``[batch, hidden]`` rows, plus the LM head), timed in the same
-run: ``step_over_linear`` is how much the rest of the step adds. Prints JSON.
+run: ``step_over_linear`` is how much the rest of the step adds. On the CPU the
+attention bound adds every layer's paged decode kernel over the same requests' KV
+cache (``attention_ms``): ``step_over_linear_and_attention`` is what the step adds
+to the two kinds of kernel it cannot do without (norms, RoPE, the KV write,
+sampling, the engine's Python). Prints JSON.
 """
 
 from __future__ import annotations
@@ -73,6 +77,45 @@ def linear_bound_ms(model, batch: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
+@torch.inference_mode()
+def attention_bound_ms(core: EngineCore, steps: int) -> float | None:
+    """Milliseconds per step of the decode attention alone: every layer's paged decode kernel over the running
+    requests' own block tables and context lengths (one new token each), on the engine's KV cache. None where
+    the CPU kernel does not run (another device, or a cache it declines)."""
+    from shared.kernels import cpu_kernels
+
+    kv, config, running = core.runner.kv_cache, core.model_config, core.scheduler.running
+    query = torch.randn(len(running), config.num_heads, config.head_dim)
+    if kv.device.type != "cpu" or not running or not cpu_kernels.supports(query, kv[:, 0, 0], kv[:, 0, 1]):
+        return None
+    block_size = kv.shape[3]
+    tables = [core.scheduler.kv.block_ids(r.request_id) for r in running]
+    seq_lens = [min(r.num_computed_tokens + 1, len(t) * block_size) for r, t in zip(running, tables, strict=True)]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    scale = config.head_dim**-0.5
+
+    def run() -> bool:
+        return all(
+            cpu_kernels.paged_decode(query, kv[:, layer, 0], kv[:, layer, 1], block_tables, seq_lens, scale) is not None
+            for layer in range(config.num_layers)
+        )
+
+    if not run():
+        return None
+    # In a step the weights pass through the caches between one layer's attention and the next: read as much
+    # before each timed run (untimed), so that a cache that fits in the last-level cache is not timed from there.
+    floats = min(sum(p.numel() for p in core.model.parameters()), 64 << 20)  # at most 256 MiB
+    flush = torch.ones(floats, dtype=torch.float32)
+    total = 0.0
+    for _ in range(steps):
+        flush.sum()
+        t0 = time.perf_counter()
+        run()
+        total += time.perf_counter() - t0
+    return total / steps * 1000
+
+
 def measure(core: EngineCore, batch: int, context_len: int, steps: int, seed: int) -> dict:
     rng = random.Random(seed)
     vocab = core.model_config.vocab_size
@@ -97,9 +140,10 @@ def measure(core: EngineCore, batch: int, context_len: int, steps: int, seed: in
     if decoding != batch or len(core.scheduler.running) != batch:
         raise SystemExit(f"batch {batch}: {decoding} requests decoding, not {batch} (KV cache too small?)")
     live_tokens = sum(r.num_tokens for r in core.scheduler.running) - batch * steps // 2  # mid-run average
+    attention_ms = attention_bound_ms(core, steps)
     for rid in ids:
         core.abort(rid)
-    return {"batch": batch, "step_ms": step_s * 1000, "live_tokens": live_tokens}
+    return {"batch": batch, "step_ms": step_s * 1000, "live_tokens": live_tokens, "attention_ms": attention_ms}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,9 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = r["live_tokens"] * kv_per_token
         roofline_ms = 1000 * (weight_bytes + kv_bytes) / bandwidth
         linear_ms = linear_bound_ms(core.model, batch, args.steps)
-        results.append({**r, "kv_bytes": kv_bytes, "roofline_ms": roofline_ms,
-                        "step_over_roofline": r["step_ms"] / roofline_ms, "linear_ms": linear_ms,
-                        "step_over_linear": r["step_ms"] / linear_ms})  # fmt: skip
+        result = {**r, "kv_bytes": kv_bytes, "roofline_ms": roofline_ms, "step_over_roofline": r["step_ms"] / roofline_ms,
+                  "linear_ms": linear_ms, "step_over_linear": r["step_ms"] / linear_ms}  # fmt: skip
+        if r["attention_ms"] is not None:
+            kernels_ms = linear_ms + r["attention_ms"]
+            result |= {
+                "linear_and_attention_ms": kernels_ms,
+                "step_over_linear_and_attention": r["step_ms"] / kernels_ms,
+            }
+        results.append(result)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": core.dtype_name, "attention_backend": core.runner.attn_backend.name,
