@@ -194,12 +194,16 @@ def _vllm_env(args) -> dict[str, str]:
     return env
 
 
-def default_step_tokens(device: str) -> int:
-    """The step budget Cleave's engine picks when ``--max-num-batched-tokens`` is 0 (vLLM gets the same)."""
-    from shared.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS
+def default_step_tokens(device: str, model: str) -> int:
+    """The step budget Cleave's engine picks for ``model`` when ``--max-num-batched-tokens`` is 0 (vLLM gets
+    the same)."""
+    from shared.config import CUDA_STEP_TOKENS, cpu_step_tokens
     from shared.engine.engine_core import resolve_device
+    from shared.models.config import load_model_config
 
-    return CUDA_STEP_TOKENS if resolve_device(device).type == "cuda" else CPU_STEP_TOKENS
+    if resolve_device(device).type == "cuda":
+        return CUDA_STEP_TOKENS
+    return cpu_step_tokens(load_model_config(model).layer_parameters)
 
 
 def run_vllm(args, workload) -> dict:
@@ -212,7 +216,7 @@ def run_vllm(args, workload) -> dict:
     dtype = args.dtype if args.dtype != "auto" else (model_config.torch_dtype or "float32")
     spec = {
         "model": str(Path(args.model).resolve()), "dtype": "float32" if dtype == "float16" else dtype,
-        "max_num_batched_tokens": args.max_num_batched_tokens or default_step_tokens(args.device),
+        "max_num_batched_tokens": args.max_num_batched_tokens or default_step_tokens(args.device, args.model),
         "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_model_len": int(args.max_model_len) if args.max_model_len else None,

@@ -55,11 +55,17 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
     @property
+    def layer_parameters(self) -> int:
+        """Weights of the decoder layers' projections: what every prompt token multiplies (norms and
+        biases aside)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size)
+
+    @property
     def num_parameters(self) -> int:
         """Weights of the decoder (norms and biases aside, a fraction of a percent)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
-        return self.num_layers * per_layer + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        h = self.hidden_size
+        return self.layer_parameters + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
 
     def geometry_key(self) -> str:
         """Stable description of the KV geometry (feeds the compatibility hash)."""
