@@ -80,7 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=int(env_default("--max-num-batched-tokens", 0)),
         help="token budget per engine step; 0: 2048 on CUDA; on CPU the power of two from 256 to 2048 whose "
         "tokens take about 20 GFLOP of the model's projections (a step of about 0.2 s on two cores, and so a short "
-        "wait for an abort to free blocks): 1024 for a 12M-parameter Llama, 256 for the 135M demo model",
+        "wait for an abort to free blocks): 256 for the default SmolLM2-135M, 1024 for a 12M-parameter Llama, 2048 "
+        "for the random-weight demo model",
     )
     g.add_argument(
         "--max-num-seqs", type=int, default=int(env_default("--max-num-seqs", 256)), help="running requests at most"

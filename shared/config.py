@@ -12,12 +12,12 @@ GiB = 1 << 30
 CUDA_STEP_TOKENS = 2048
 # On the CPU the budget follows the work per prompt token: as many tokens as about CPU_STEP_FLOPS of
 # the decoder's projections (a power of two, 256 to 2,048), a step of about 0.2 s on two cores.
-# Aborts take effect between steps: on 2 CPU cores a 3,315-token prefill of the demo model takes
-# 1.04 s as one 2,048-token step and at most 0.24 s per step at 256 tokens, in the same total time
-# (1.8 s vs 1.7 s), so a client that hangs up gets its blocks back well within a second; the demo
-# model (0.2 GFLOP a token) keeps 256. A small model gets more: the 12M Llama (0.019 GFLOP a token)
-# steps 1,024 tokens, whose bursts of 64 reached their median first token 1-17% sooner than vLLM's
-# server at its own CPU default (2,048) in four of four, where at 256 they were later in five of eight.
+# Aborts take effect between steps, so a client that hangs up gets its blocks back within one step:
+# the default SmolLM2-135M (0.21 GFLOP a token) keeps 256; the random-weight demo model (0.006 GFLOP)
+# steps 2,048, and on 2 CPU cores prefills 3,315 tokens in 0.76-0.82 s with its longest step 0.42 s
+# (0.83-0.96 s in 13 steps of at most 0.13 s at 256). The 12M Llama (0.019 GFLOP a token) steps
+# 1,024 tokens, whose bursts of 64 reached their median first token 1-17% sooner than vLLM's server
+# at its own CPU default (2,048) in four of four, where at 256 they were later in five of eight.
 CPU_STEP_FLOPS = 20e9
 CPU_STEP_TOKENS = 256  # the least budget on the CPU
 CPU_STEP_TOKENS_MAX = 2048

@@ -8,7 +8,7 @@ from shared.models.config import load_model_config
 
 
 def test_cpu_step_tokens_is_the_largest_power_of_two_within_the_step_flops():
-    # The 12M Llama's projections (9,437,184 weights) and the 135M demo model's (106,168,320).
+    # The 12M Llama's projections (9,437,184 weights) and SmolLM2-135M's (106,168,320).
     assert cpu_step_tokens(9_437_184) == 1024
     assert cpu_step_tokens(106_168_320) == CPU_STEP_TOKENS == 256
     assert cpu_step_tokens(1) == CPU_STEP_TOKENS_MAX  # a tiny model: the most
