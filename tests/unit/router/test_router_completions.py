@@ -203,6 +203,8 @@ def test_first_token_at_prefill_goes_out_before_the_decode_worker_answers(
     try:
         assert eventually(lambda: len(events) == 1)
         assert events[0]["choices"][0]["text"] == tokenizer.decode(script.ids(1))
+        # The router asks the decode worker after the first token went out (or just before): wait for the ask.
+        assert eventually(lambda: len(script.generate_requests) == 1)
         assert not script.generate_requests[0].announce_admission
     finally:
         script.decode_gate.set()
