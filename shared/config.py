@@ -34,6 +34,12 @@ def cpu_step_tokens(layer_parameters: int) -> int:
     return tokens
 
 
+def default_step_tokens(device_type: str, layer_parameters: int) -> int:
+    """The token budget per step where ``--max-num-batched-tokens`` is 0, on a ``device_type`` ("cuda" or
+    "cpu") for a decoder whose projections hold ``layer_parameters`` weights."""
+    return CUDA_STEP_TOKENS if device_type == "cuda" else cpu_step_tokens(layer_parameters)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face checkpoint directory

@@ -197,13 +197,11 @@ def _vllm_env(args) -> dict[str, str]:
 def default_step_tokens(device: str, model: str) -> int:
     """The step budget Cleave's engine picks for ``model`` when ``--max-num-batched-tokens`` is 0 (vLLM gets
     the same)."""
-    from shared.config import CUDA_STEP_TOKENS, cpu_step_tokens
+    from shared import config
     from shared.engine.engine_core import resolve_device
     from shared.models.config import load_model_config
 
-    if resolve_device(device).type == "cuda":
-        return CUDA_STEP_TOKENS
-    return cpu_step_tokens(load_model_config(model).layer_parameters)
+    return config.default_step_tokens(resolve_device(device).type, load_model_config(model).layer_parameters)
 
 
 def run_vllm(args, workload) -> dict:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared.config import CUDA_STEP_TOKENS, EngineConfig, cpu_step_tokens
+from shared.config import EngineConfig, default_step_tokens
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.cpu_threads import CoreShare, ThreadGovernor
@@ -148,10 +148,9 @@ class EngineCore:
         self.max_model_len = min(model_len, self.num_blocks * config.block_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        default_budget = (
-            CUDA_STEP_TOKENS if self.device.type == "cuda" else cpu_step_tokens(self.model_config.layer_parameters)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_step_tokens(
+            self.device.type, self.model_config.layer_parameters
         )
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         self.leases = KVLeases(self.kv)
         self.scheduler = Scheduler(
             SchedulerConfig(
