@@ -221,7 +221,9 @@ def test_one_trace_spans_router_prefill_kv_transfer_and_decode(workload):
             by_trace.setdefault(s.trace_id, set()).add((s.service, s.name))
         want = {("cleave-router", "route"), ("cleave-prefill-worker", "prefill"),
                 ("cleave-decode-worker", "kv_transfer"), ("cleave-decode-worker", "decode")}  # fmt: skip
-        return [t for t, names in by_trace.items() if want <= names]
+        # The root ends last, so it can come in a later batch than its children: wait for it too.
+        rooted = {s.trace_id for s in spans if s.service == "cleave-router" and s.name.startswith("text_completion ")}
+        return [t for t, names in by_trace.items() if want <= names and t in rooted]
 
     spans = wait_spans(workload["receiver"], full_trace)
     trace_id = full_trace(spans)[0]
