@@ -52,7 +52,7 @@ system-deps:
 	fi
 
 test: $(STAMP) $(MODEL_STAMP) system-deps tools protos-check
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=15 tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
