@@ -194,18 +194,10 @@ def _vllm_env(args) -> dict[str, str]:
     return env
 
 
-def default_step_tokens(device: str, model: str) -> int:
-    """The step budget Cleave's engine picks for ``model`` when ``--max-num-batched-tokens`` is 0 (vLLM gets
-    the same)."""
-    from shared import config
-    from shared.engine.engine_core import resolve_device
-    from shared.models.config import load_model_config
-
-    return config.default_step_tokens(resolve_device(device).type, load_model_config(model).layer_parameters)
-
-
 def run_vllm(args, workload) -> dict:
     """The same workload on vLLM, in a child process of ``--vllm-python`` (greedy, EOS ignored)."""
+    from shared.config import default_step_tokens
+    from shared.engine.engine_core import resolve_device
     from shared.models.config import load_model_config
 
     if not args.vllm_python:
@@ -214,7 +206,9 @@ def run_vllm(args, workload) -> dict:
     dtype = args.dtype if args.dtype != "auto" else (model_config.torch_dtype or "float32")
     spec = {
         "model": str(Path(args.model).resolve()), "dtype": "float32" if dtype == "float16" else dtype,
-        "max_num_batched_tokens": args.max_num_batched_tokens or default_step_tokens(args.device, args.model),
+        # The budget Cleave's engine picks when --max-num-batched-tokens is 0: vLLM gets the same.
+        "max_num_batched_tokens": args.max_num_batched_tokens
+        or default_step_tokens(resolve_device(args.device).type, model_config.layer_parameters),
         "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_model_len": int(args.max_model_len) if args.max_model_len else None,
