@@ -18,6 +18,7 @@ It imports nothing heavy (the router imports it).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,17 @@ def parse_bool(text: str) -> bool:
     if word in FALSE_WORDS:
         return False
     raise ValueError("is not a boolean; use 1/0, true/false, yes/no or on/off")
+
+
+def parse_non_negative(text: str) -> float:
+    """A finite number >= 0 (a ratio, a duration)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+    return value
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:

@@ -27,7 +27,7 @@ from services.common.metrics import RequestTracker, WorkerMetrics
 from shared import flags
 from shared.cli import add_engine_args, engine_config_from_args, env_default
 from shared.engine.async_engine import AsyncEngine, NewRequest
-from shared.engine.cpu_threads import LEND_AFTER_S, CoreShare
+from shared.engine.cpu_threads import LEND_AFTER_S, YIELD_MAX_S, CoreShare
 from shared.engine.engine_core import RequestOutputDelta
 from shared.engine.request import Request
 from shared.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -46,6 +46,8 @@ PREFILL_BORROW_MAX_REQUESTS = 1
 # found the decode worker idle for less than that, and every prompt ran on one core (a 256-token prompt
 # 114 ms of prefill against 65 ms aggregated).
 PREFILL_LEND_AFTER_REST_S = 0.0
+# See --decode-yield.
+DECODE_YIELD = 1.0
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -91,6 +93,15 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         help="set by cleave serve under its CPU split: FILE:lend:SLOT (a prefill worker marks "
                              "whether it computes) or FILE:borrow:SLOTS:CPUS (a decode worker's kernels also "
                              "run on CPUS while every lender is idle); default: none")  # fmt: skip
+    parser.add_argument("--decode-yield", type=flags.parse_non_negative,
+                        default=env_default("--decode-yield", str(DECODE_YIELD)),
+                        metavar="RATIO",
+                        help="with --core-share, while a prefill worker holds a queue (2 or more requests): a "
+                             "decode worker pauses RATIO times the length of each step after it (at most "
+                             f"{YIELD_MAX_S * 1000:.0f} ms) and lends its CPUs meanwhile, and a prefill worker "
+                             "borrows them, so a burst's prompts are not left to the prefill CPUs alone. Give "
+                             f"both sides the same value (cleave serve passes it to every worker). Default "
+                             f"{DECODE_YIELD}; 0: the decode worker steps as often as it can")  # fmt: skip
     return parser
 
 
@@ -133,6 +144,8 @@ class WorkerBase:
                 args.core_share, own_threads=torch.get_num_threads(), lib=cpu_kernels.load(),
                 borrow_max_requests=PREFILL_BORROW_MAX_REQUESTS if self.role == "prefill" else None,
                 lend_after_rest_s=PREFILL_LEND_AFTER_REST_S if self.role == "prefill" else LEND_AFTER_S,
+                yield_ratio=args.decode_yield if self.role == "decode" else 0.0,
+                borrow_in_backlog=self.role == "prefill" and args.decode_yield > 0.0,
             )  # fmt: skip
             logger.info("core_share role=%s lent_cpus=%s", core.core_share.role,
                         flags.format_cpu_list(core.core_share.lent_cpus) or "-")  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
@@ -122,14 +123,29 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._idle_checked = False
+                started = time.monotonic()
                 deltas = self.core.step(before_forward=open_state, after_execute=close_state)
                 pending.extend(deltas)
+                share = self.core.core_share
+                if share is not None and (pause := share.yield_after(time.monotonic() - started)) > 0.0:
+                    flush()  # the step's tokens go out while this worker's CPUs are lent
+                    share.idle()
+                    self._pause(pause)
         except BaseException as e:  # the loop must never die silently
             logger.exception("engine loop failed")
             self.error = e
             for loop, q in list(self._streams.values()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
             self._fail_commands()
+
+    def _pause(self, seconds: float) -> None:
+        """Idle for ``seconds`` between steps (see CoreShare.yield_after); commands that arrive meanwhile run
+        at once (a new request waits for the next step, not for the pause to end)."""
+        deadline = time.monotonic() + seconds
+        while not self._stopped and (left := deadline - time.monotonic()) > 0.0:
+            if self._wake.wait(left):
+                self._wake.clear()
+                self._run_commands()
 
     def _fail_commands(self) -> None:
         """After the loop died: every queued command fails at once (its caller would wait forever)."""

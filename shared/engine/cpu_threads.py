@@ -188,7 +188,14 @@ class ThreadGovernor:
 # a burst a prefill worker idles for moments (its next request is on its way), and a borrower's helper
 # there only slowed the next prefill step (median TTFT 3-8% higher in five of six bursts without it).
 LEND_AFTER_S = 0.1
-SLOT = struct.Struct("d")  # per lender: 0.0 while it computes, else the CLOCK_MONOTONIC time it went idle
+# Per lender: minus the requests its engine holds while it computes (0.0 before its first step), else the
+# CLOCK_MONOTONIC time it went idle. The pool (csrc/pool.c) reads "<= 0.0" as "computes".
+SLOT = struct.Struct("d")
+# A prefill side holding this many requests has a queue: the prompts of a burst wait for its CPUs, while the
+# decode side steps a few sequences at a time on its own (see CoreShare.yield_after).
+BACKLOG_REQUESTS = 2
+# The longest pause a decode worker takes after one step for a prefill backlog, whatever its step took.
+YIELD_MAX_S = 0.1
 
 
 class CoreShare:
@@ -220,6 +227,8 @@ class CoreShare:
         clock: Callable[[], float] = time.monotonic,
         borrow_max_requests: int | None = None,
         lend_after_rest_s: float = LEND_AFTER_S,
+        yield_ratio: float = 0.0,
+        borrow_in_backlog: bool = False,
     ) -> None:
         from shared import flags
 
@@ -249,6 +258,12 @@ class CoreShare:
         # request after a quiet moment, not the next of a queue), lenders idle this long already lend, until
         # the engine holds more than borrow_max_requests.
         self.lend_after_rest_s = lend_after_rest_s
+        # A lender that yields: while the other side has a backlog, it pauses this many times the length of
+        # its last step after each step, idle (its CPUs lent). 0: never.
+        self.yield_ratio = max(0.0, yield_ratio)
+        # A borrower whose own engine holds a backlog takes the lent CPUs whenever the lenders idle, from one
+        # parallel loop to the next, without waiting LEND_AFTER_S (they yield to it, see yield_after).
+        self.borrow_in_backlog = borrow_in_backlog
         self._rested = False  # the current spell of work began after such a rest
         self.borrowing = False
         self.changes = 0
@@ -272,7 +287,7 @@ class CoreShare:
         SLOT.pack_into(self._map, self.slot * SLOT.size, value)
 
     def _idle_since(self, slot: int) -> float:
-        """When the lender in ``slot`` went idle (0.0 while it computes)."""
+        """When the lender in ``slot`` went idle (0.0 or less while it computes: see SLOT)."""
         return SLOT.unpack_from(self._map, slot * SLOT.size)[0]
 
     def lenders_idle(self, after_s: float = LEND_AFTER_S) -> bool:
@@ -286,22 +301,39 @@ class CoreShare:
     def before_step(self, num_requests: int = 0) -> None:
         """``num_requests``: what the engine holds (running and waiting); above ``borrow_max_requests`` it
         does not borrow."""
-        if self.slot >= 0 and not self.busy:
-            idle_since = self._idle_since(self.slot)
-            self._rested = idle_since > 0.0 and self._clock() - idle_since >= LEND_AFTER_S
-            self.busy = True
-            self._mark(0.0)
+        if self.slot >= 0:
+            if not self.busy:
+                idle_since = self._idle_since(self.slot)
+                self._rested = idle_since > 0.0 and self._clock() - idle_since >= LEND_AFTER_S
+                self.busy = True
+            self._mark(-float(num_requests))  # computing, and how much it holds (see backlogged)
         if not self.lender_slots:
             return
         few = self.borrow_max_requests is None or num_requests <= self.borrow_max_requests
         self._rested = self._rested and few  # a queue formed: a burst is on, not a request after a rest
-        borrow = few and self.lenders_idle(self.lend_after_rest_s if self._rested else LEND_AFTER_S)
+        if self.borrow_in_backlog and num_requests >= BACKLOG_REQUESTS:
+            borrow = True  # the pool takes the lent CPUs in the loops that find every lender idle
+        else:
+            borrow = few and self.lenders_idle(self.lend_after_rest_s if self._rested else LEND_AFTER_S)
         if borrow != self.borrowing:
             self.borrowing = borrow
             self.changes += 1
             if self._lib is not None:
                 self._lib.pool_set_threads(self.own_threads + len(self.lent_cpus) if borrow else 0)
             logger.debug("core_share borrowing=%s cpus=%s", borrow, sorted(self.lent_cpus))
+
+    def backlogged(self) -> bool:
+        """Whether a lender of this process's borrowed CPUs (the other side) computes with a queue."""
+        return any(self._idle_since(i) <= -BACKLOG_REQUESTS for i in self.lender_slots)
+
+    def yield_after(self, step_s: float) -> float:
+        """How long a yielding lender pauses, idle, after a step of ``step_s``: ``yield_ratio`` times it while
+        the other side has a backlog, at most YIELD_MAX_S; else 0. On a box split between a prefill and a
+        decode worker, a burst's prompts otherwise wait for the prefill worker's CPUs alone while the
+        decode worker steps the first few sequences as fast as its own CPUs allow."""
+        if self.yield_ratio <= 0.0 or self.slot < 0 or not self.backlogged():
+            return 0.0
+        return min(self.yield_ratio * step_s, YIELD_MAX_S)
 
     def idle(self) -> None:
         """The engine has no work: a lender's CPUs may be borrowed from ``LEND_AFTER_S`` on."""

@@ -192,6 +192,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.pool_count_items.restype = None
         lib.pool_record_cpus.argtypes = [i64, i64, ptr]
         lib.pool_record_cpus.restype = None
+        lib.pool_record_cpus_lender_back.argtypes = [i64, i64, ptr, ptr, i64, ptr]
+        lib.pool_record_cpus_lender_back.restype = None
 
 
 _KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -45,6 +45,7 @@ typedef struct {
     int64_t n;
     int chunks;
     int wide; /* helpers may run on the lent CPUs for this job (else on the caller's own) */
+    int own_helpers; /* helpers 0..own_helpers-1 stand for the caller's own threads, the rest for lent CPUs */
     atomic_int done;
 } Job;
 
@@ -85,9 +86,15 @@ static void run_chunk(const Job *job, int c) {
     job->fn(job->ctx, begin, end);
 }
 
-/* Claims and runs chunks of the job the word names, from the front or the back, until none is left. */
-static void work(int from_front) {
+static int lender_busy(void);
+
+/* Claims and runs chunks of the job the word names, from the front or the back, until none is left. A
+ * helper on a job that borrows lent CPUs stops claiming once a lender computes again: the chunk it holds is
+ * the last the caller may wait for, though that lender's own step has preempted it (a decode step of
+ * milliseconds against a prefill's chunk of microseconds). */
+static void work(int from_front, int borrowed) {
     for (;;) {
+        if (borrowed && lender_busy()) return;
         const uint64_t w = atomic_fetch_add_explicit(&word, from_front ? FRONT_ONE : BACK_ONE, memory_order_acq_rel);
         const int chunks = CHUNKS(w);
         if (FRONT(w) + BACK(w) >= chunks) return;
@@ -115,12 +122,13 @@ static void *helper_main(void *arg) {
                 if (index < HELPERS(w) && FRONT(w) + BACK(w) < CHUNKS(w)) {
                     /* Off the lent CPUs while they are not lent (a lender computes, or nothing is
                      * borrowed): the helper then stays where the caller's own threads run. */
-                    const int job_wide = jobs[GEN(w) & 1].wide;
+                    const Job *job = &jobs[GEN(w) & 1];
+                    const int job_wide = job->wide;
                     if (job_wide != wide && atomic_load(&helper_cpus_set)) {
                         sched_setaffinity(0, sizeof(cpu_set_t), job_wide ? &helper_cpus : &own_cpus);
                         wide = job_wide;
                     }
-                    work(0);
+                    work(0, job_wide && index >= job->own_helpers);
                 }
                 break;
             }
@@ -201,12 +209,13 @@ void pool_for(int64_t n, int64_t grain, pool_range_fn fn, void *ctx) {
     job->n = n;
     job->chunks = (int)chunks;
     job->wide = lent;
+    job->own_helpers = omp_get_max_threads() - 1;
     atomic_store_explicit(&job->done, 0, memory_order_relaxed);
     atomic_exchange(&word, ((uint64_t)gen << 48) | ((uint64_t)helpers << 42) | ((uint64_t)chunks << 30));
     atomic_fetch_add(&generation, 1);
     if (atomic_load(&sleepers) > 0) syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     inside_pool = 1;
-    work(1);
+    work(1, 0);
     inside_pool = 0;
     /* Only chunks a helper has claimed can be left; wait for those. */
     int64_t spin_until = 0;
@@ -259,11 +268,18 @@ void pool_count_items(int64_t n, int64_t grain, int32_t *counts) { pool_for(n, g
 typedef struct {
     int32_t *cpus; /* per item: the CPU that ran it */
     int64_t spin_ns;
+    volatile double *slot; /* a lender's slot, set busy (0.0) as item busy_at starts; NULL: none */
+    int64_t busy_at;
+    int32_t *after; /* per item: whether it started after that */
 } WhereArgs;
 
 static void record_cpus(void *p, int64_t begin, int64_t end) {
     const WhereArgs *a = p;
     for (int64_t i = begin; i < end; i++) {
+        if (a->slot != NULL) {
+            if (i == a->busy_at) *a->slot = 0.0;
+            a->after[i] = *a->slot <= 0.0;
+        }
         const int64_t until = now_ns() + a->spin_ns; /* long enough items that a helper wakes up for some */
         while (now_ns() < until) cpu_relax();
         a->cpus[i] = sched_getcpu();
@@ -272,6 +288,14 @@ static void record_cpus(void *p, int64_t begin, int64_t end) {
 
 /* For the tests: cpus[i] = the CPU that ran item i of [0, n), each item spinning spin_ns. */
 void pool_record_cpus(int64_t n, int64_t spin_ns, int32_t *cpus) {
-    WhereArgs a = {cpus, spin_ns};
+    WhereArgs a = {cpus, spin_ns, NULL, 0, NULL};
+    pool_for(n, 1, record_cpus, &a);
+}
+
+/* For the tests: as pool_record_cpus, and the lender whose slot is *slot computes again (0.0) from item
+ * busy_at on; after[i]: whether item i started after that. */
+void pool_record_cpus_lender_back(int64_t n, int64_t spin_ns, int32_t *cpus, double *slot, int64_t busy_at,
+                                  int32_t *after) {
+    WhereArgs a = {cpus, spin_ns, slot, busy_at, after};
     pool_for(n, 1, record_cpus, &a);
 }

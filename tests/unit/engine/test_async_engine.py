@@ -402,3 +402,56 @@ def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtake
     finally:
         go.set()
         engine.shutdown()
+
+
+def test_a_yielding_decode_engine_pauses_after_each_step_while_the_prefill_side_has_a_queue(
+    checkpoint_factory, tmp_path
+):
+    """cleave serve's decode worker under a prefill backlog (CoreShare.yield_after): after each step its
+    engine idles, its slot marked idle so the prefill worker's kernels borrow its CPUs, and the tokens are
+    those of the offline engine; once the queue is gone it steps without pausing."""
+    from shared.engine.cpu_threads import CoreShare
+
+    model_dir = checkpoint_factory("llama")
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=str(model_dir), dtype="float32", num_blocks=64,
+                                                      block_size=4).generate(prompts, params)]  # fmt: skip
+    share_file = tmp_path / "share"
+    share_file.write_bytes(bytes(16))
+    prefill = CoreShare(f"{share_file}:lend:0")
+    engine = make_engine(model_dir)
+    share = engine.core.core_share = CoreShare(f"{share_file}:lend:1:borrow:0:0", yield_ratio=2.0)
+    pauses: list[tuple[float, float]] = []  # (pause, the decode slot's value during it)
+    yield_after, idle = share.yield_after, share.idle
+    lent: list[float] = []
+
+    def recorded_yield_after(step_s: float) -> float:
+        pause = yield_after(step_s)
+        pauses.append((pause, step_s))
+        return pause
+
+    def recorded_idle() -> None:
+        idle()
+        lent.append(share._idle_since(1))
+
+    share.yield_after, share.idle = recorded_yield_after, recorded_idle  # type: ignore[method-assign]
+
+    async def run(offset: int) -> list[list[int]]:
+        async def one(i):
+            return [t async for d in engine.generate(f"r{offset + i}", prompts[i], params) for t in d.new_token_ids]
+
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    try:
+        prefill.before_step(num_requests=5)  # the prefill worker computes, four more prompts queued
+        assert asyncio.run(run(0)) == expected
+        assert len(pauses) >= 6 and all(p == pytest.approx(2.0 * s) and p > 0.0 for p, s in pauses)
+        assert len(lent) >= len(pauses) and all(t > 0.0 for t in lent)  # idle (its CPUs lent) in each pause
+        pauses.clear()
+        prefill.before_step(num_requests=1)  # the queue is gone
+        assert asyncio.run(run(10)) == expected
+        assert pauses and all(p == 0.0 for p, _ in pauses)
+        assert engine.core.stats().num_free_blocks == engine.core.num_blocks
+    finally:
+        engine.shutdown()

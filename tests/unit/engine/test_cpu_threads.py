@@ -10,7 +10,9 @@ import time
 import pytest
 
 from shared.engine.cpu_threads import (
+    BACKLOG_REQUESTS,
     LEND_AFTER_S,
+    YIELD_MAX_S,
     CoreShare,
     ThreadGovernor,
     other_cpu_seconds,
@@ -240,6 +242,40 @@ def test_a_prefill_borrower_takes_the_idle_decode_cpus_for_a_lone_prompt_only(tm
     assert prefill.borrowing and lib.calls[-1] == ("threads", 2)
     prefill.before_step(num_requests=3)  # more arrived: the CPUs go back at once
     assert not prefill.borrowing and lib.calls[-1] == ("threads", 0)
+
+
+def test_a_decode_lender_yields_its_cpus_while_the_prefill_side_has_a_queue(tmp_path):
+    """cleave serve's split under a burst: the prefill worker holds a queue; the decode worker pauses
+    yield_ratio times its step after each step (at most YIELD_MAX_S), and the prefill worker borrows the
+    decode CPUs whenever the pool finds them idle, not after LEND_AFTER_S."""
+    path = _share_file(tmp_path, 2)
+    now = [100.0]
+    lib = RecordingLib()
+    prefill = CoreShare(f"{path}:lend:0:borrow:1:1", lib=lib, clock=lambda: now[0], borrow_max_requests=1,  # type: ignore[arg-type]
+                        borrow_in_backlog=True)  # fmt: skip
+    decode = CoreShare(f"{path}:lend:1:borrow:0:0", clock=lambda: now[0], yield_ratio=2.0)
+    decode.before_step(num_requests=4)
+    assert decode.yield_after(0.01) == 0.0  # the prefill worker has not started
+    prefill.before_step(num_requests=1)  # a lone prompt: no queue
+    assert decode.yield_after(0.01) == 0.0 and not prefill.borrowing  # and the decode side computes
+    prefill.before_step(num_requests=BACKLOG_REQUESTS)
+    assert decode.yield_after(0.01) == pytest.approx(0.02)
+    assert decode.yield_after(1.0) == YIELD_MAX_S
+    assert prefill.borrowing and lib.calls[-1] == ("threads", 2)  # the pool decides loop by loop
+    assert not decode.borrowing
+    decode.before_step(num_requests=4)
+    decode.idle()  # the pause: its CPUs are lent from the prefill worker's next parallel loop on
+    assert prefill.lenders_idle(0.0)
+    decode.before_step(num_requests=4)  # the next step
+    assert not prefill.lenders_idle(0.0)
+    prefill.before_step(num_requests=1)  # the queue drained: the decode worker steps as fast as it can
+    assert decode.yield_after(0.01) == 0.0 and not prefill.borrowing
+    prefill.before_step(num_requests=3)
+    prefill.idle()
+    assert decode.yield_after(0.01) == 0.0  # an idle prefill worker has no queue
+    quiet = CoreShare(f"{path}:lend:1:borrow:0:0", clock=lambda: now[0])
+    prefill.before_step(num_requests=3)
+    assert decode.yield_after(0.01) > 0.0 and quiet.yield_after(0.01) == 0.0  # yield_ratio 0: never
 
 
 @pytest.mark.parametrize(

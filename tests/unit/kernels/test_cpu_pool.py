@@ -165,7 +165,7 @@ def test_set_threads_overrides_the_torch_count_and_helpers_run_where_told(thread
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_lender_that_computes_again_has_its_cpu_back_at_the_next_loop(threads, pool_threads):
     """The pool reads the lenders' slots (cpu_threads.CoreShare's file) at every loop: while one says
-    busy (0.0) the loops run on the caller's CPU alone, though pool_set_threads still lends; once it
+    busy (0.0, or minus the requests it holds) the loops run on the caller's CPU alone, though pool_set_threads still lends; once it
     says idle again (the time it went idle) the helper on the lent CPU takes items again."""
     own, lent = sorted(os.sched_getaffinity(0))[:2]
 
@@ -179,12 +179,14 @@ def test_a_lender_that_computes_again_has_its_cpu_back_at_the_next_loop(threads,
         idle = _cpus_that_run_items(lent)
         slots[2] = 0.0  # a lender starts a step
         busy = _cpus_that_run_items(lent)
+        slots[2] = -3.0  # computing, with three requests (what CoreShare writes at each step)
+        queued = _cpus_that_run_items(lent)
         slots[2] = 9.0
         again = _cpus_that_run_items(lent)
         lib.pool_set_lenders(None, None, 0)
-        return f"{idle};{busy};{again}"
+        return f"{idle};{busy};{queued};{again}"
 
-    assert _in_child(body) == f"{[own, lent]};{[own]};{[own, lent]}"
+    assert _in_child(body) == f"{[own, lent]};{[own]};{[own]};{[own, lent]}"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -210,3 +212,34 @@ def test_own_helpers_stay_off_the_lent_cpus_while_they_are_not_lent(threads, poo
         return f"{busy};{borrowed};{own_only}"
 
     assert _in_child(body) == f"{[own]};{[own, lent]};{[own]}"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_helper_on_a_lent_cpu_stops_taking_items_once_the_lender_computes_again(threads, pool_threads):
+    """A lender's step (a decode worker back from its pause) preempts a borrower's helper on its CPU: the
+    helper takes no item of the loop after the lender says busy, so the caller, which does the rest,
+    waits at most for the item the helper already holds (before: for the helper's whole share)."""
+    own, lent = sorted(os.sched_getaffinity(0))[:2]
+
+    def body() -> str:
+        os.sched_setaffinity(0, {own})
+        torch.set_num_threads(1)
+        lib.pool_set_helper_cpus((ctypes.c_int * 1)(lent), 1)
+        slots = (ctypes.c_double * 1)(5.0)  # idle: lent
+        lib.pool_set_lenders(ctypes.addressof(slots), (ctypes.c_int * 1)(0), 1)
+        pool_threads(2)
+        n, busy_at = 64, 8
+        cpus, after = torch.full((n,), -1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+        for _ in range(20):  # until the helper was at work on the lent CPU before the lender came back
+            slots[0] = 5.0
+            lib.pool_record_cpus_lender_back(n, 200_000, cpus.data_ptr(), ctypes.addressof(slots), busy_at,
+                                             after.data_ptr())  # fmt: skip
+            on_lent = [i for i in range(n) if cpus[i] == lent]
+            if any(not after[i] for i in on_lent):
+                break
+        lib.pool_set_lenders(None, None, 0)
+        before = sum(1 for i in on_lent if not after[i])
+        late = sum(1 for i in on_lent if after[i])
+        return f"{before > 0};{late <= 1};{sorted(set(cpus.tolist()))}"
+
+    assert _in_child(body) == f"True;True;{[own, lent]}"
