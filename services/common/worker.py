@@ -46,8 +46,11 @@ PREFILL_BORROW_MAX_REQUESTS = 1
 # found the decode worker idle for less than that, and every prompt ran on one core (a 256-token prompt
 # 114 ms of prefill against 65 ms aggregated).
 PREFILL_LEND_AFTER_REST_S = 0.0
-# See --decode-yield.
-DECODE_YIELD = 1.0
+# See --decode-yield. Off by default: measured against 0 in interleaved runs (README, "Performance"), ratio 1 gave
+# 13-22% lower median TTFT at the same tok/s under vLLM's client (32 prompts of 256 at once, 64 out), but cost
+# the burst of 64 (outputs of 16-256) 5-8% of its tok/s for 8-19% lower TTFT, and doubled the p99 ITL that
+# the disaggregated shape is for: long outputs started early decode at half speed while the prompts run.
+DECODE_YIELD = 0.0
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -99,9 +102,10 @@ def build_parser(role: str) -> argparse.ArgumentParser:
                         help="with --core-share, while a prefill worker holds a queue (2 or more requests): a "
                              "decode worker pauses RATIO times the length of each step after it (at most "
                              f"{YIELD_MAX_S * 1000:.0f} ms) and lends its CPUs meanwhile, and a prefill worker "
-                             "borrows them, so a burst's prompts are not left to the prefill CPUs alone. Give "
-                             f"both sides the same value (cleave serve passes it to every worker). Default "
-                             f"{DECODE_YIELD}; 0: the decode worker steps as often as it can")  # fmt: skip
+                             "borrows them, so a burst's prompts are not left to the prefill CPUs alone: lower "
+                             "TTFT under a burst of prompts, at the cost of the decode's inter-token latency. Give "
+                             "both sides the same value (cleave serve passes it to every worker). Default "
+                             f"{DECODE_YIELD:g}: the decode worker steps as often as it can")  # fmt: skip
     return parser
 
 

@@ -446,6 +446,7 @@ def test_a_yielding_decode_engine_pauses_after_each_step_while_the_prefill_side_
     try:
         prefill.before_step(num_requests=5)  # the prefill worker computes, four more prompts queued
         assert asyncio.run(run(0)) == expected
+        engine.call(lambda: None).result(timeout=30)  # the last pause has begun (its streams end just before)
         assert len(pauses) >= 6 and all(p == pytest.approx(2.0 * s) and p > 0.0 for p, s in pauses)
         assert len(lent) >= len(pauses) and all(t > 0.0 for t in lent)  # idle (its CPUs lent) in each pause
         pauses.clear()
