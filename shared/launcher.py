@@ -55,7 +55,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="under the CPU split, keep each side off the other's CPUs also while that side "
                              "is idle (by default the decode workers' kernels borrow the prefill CPUs while no "
                              "prefill worker computes, and the prefill workers' the decode CPUs while no request "
-                             "decodes; a side that starts again has its CPUs back within microseconds)")  # fmt: skip
+                             "decodes; a side that starts again has its CPUs back within microseconds). The worker "
+                             "flag --decode-yield RATIO also lends the decode CPUs while a prefill worker has a "
+                             "queue (see cleave decode-worker --help)")  # fmt: skip
     parser.add_argument("--redis", action="store_true",
                         help="also start a local redis-server; workers register in it and the router discovers them")  # fmt: skip
     return flags.parse_known_args(parser, argv)
