@@ -47,8 +47,8 @@ PREFILL_BORROW_MAX_REQUESTS = 1
 # 114 ms of prefill against 65 ms aggregated).
 PREFILL_LEND_AFTER_REST_S = 0.0
 # See --decode-yield. Off by default: measured against 0 in interleaved runs (README, "Performance"), ratio 1 gave
-# 13-22% lower median TTFT at the same tok/s under vLLM's client (32 prompts of 256 at once, 64 out), but cost
-# the burst of 64 (outputs of 16-256) 5-8% of its tok/s for 8-19% lower TTFT, and doubled the p99 ITL that
+# up to 22% lower median TTFT at about the same tok/s under vLLM's client (32 prompts of 256 at once, 64 out), but
+# cost the burst of 64 (outputs of 16-256) 1-8% of its tok/s for 8-21% lower TTFT, and doubled the p99 ITL that
 # the disaggregated shape is for: long outputs started early decode at half speed while the prompts run.
 DECODE_YIELD = 0.0
 
