@@ -344,7 +344,9 @@ def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtake
     engine = make_engine(checkpoint_factory("llama"))
     events: list[str] = []
     scheduling, go = threading.Event(), threading.Event()
-    hold = [False]
+    # hold: the next schedule() waits for the test; hold_next: so does the one after the step in flight,
+    # so the request cannot run to its end between two checks however fast this machine steps.
+    hold, hold_next = [True], [False]
     real_schedule, real_step = engine.core.scheduler.schedule, engine.core.step
 
     def schedule():
@@ -352,6 +354,7 @@ def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtake
             hold[0] = False
             scheduling.set()
             go.wait(10)
+            go.clear()
         return real_schedule()
 
     def step(before_forward=None, after_execute=None):
@@ -361,19 +364,22 @@ def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtake
 
         deltas = real_step(before, after_execute)
         events.append("step end")
+        if hold_next[0]:
+            hold_next[0], hold[0] = False, True
         return deltas
 
     engine.core.scheduler.schedule = schedule
     engine.core.step = step
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
-    async def during_schedule(*commands):
-        scheduling.clear()
-        go.clear()
-        hold[0] = True
+    async def during_schedule(*commands, then_hold=False):
+        deadline = time.monotonic() + 10
         while not scheduling.is_set():
+            assert time.monotonic() < deadline, "the engine thread never scheduled a step"
             await asyncio.sleep(0.002)
+        scheduling.clear()
         events.clear()
+        hold_next[0] = then_hold
         futures = [asyncio.ensure_future(c()) for c in commands]
         await asyncio.sleep(0.05)
         assert not any(f.done() for f in futures)  # the state is the engine thread's
@@ -387,7 +393,7 @@ def test_run_soon_queued_before_a_forward_runs_when_it_starts_and_never_overtake
     async def run():
         stream = engine.generate("busy", [5, 6, 7, 8], params)
         consume = asyncio.ensure_future(stream.__anext__())
-        soon_first = await during_schedule(lambda: engine.run_soon(lambda: events.append("soon")))
+        soon_first = await during_schedule(lambda: engine.run_soon(lambda: events.append("soon")), then_hold=True)
         behind = await during_schedule(
             lambda: engine.run(lambda: events.append("command")), lambda: engine.run_soon(lambda: events.append("soon"))
         )
