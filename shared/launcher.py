@@ -11,10 +11,12 @@ Unknown flags are passed to every worker (engine flags such as
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -107,6 +109,18 @@ def create_core_share_file(slots: int) -> str:
     with os.fdopen(fd, "wb") as f:
         f.write(bytes(8 * max(1, slots)))
     return path
+
+
+def release_core_share_slot(path: str, slot: int) -> None:
+    """Mark the slot of a worker that exited idle from now (the float64 time.monotonic() value a lender
+    writes as it goes idle, see shared.engine.cpu_threads.CoreShare); the supervisor calls it as it notices
+    the exit. Left as the dead process wrote it, a prefill worker's queue (minus its count) would keep the
+    decode side yielding, and the dead worker's CPUs unlent, until a restarted worker marks the slot again
+    (after a backoff of up to 30 s for one that keeps failing); meanwhile the router sends its prompts to
+    the decode workers, which borrow those idle CPUs like any others. A restarted worker starts busy."""
+    with open(path, "r+b") as f:
+        f.seek(8 * slot)
+        f.write(struct.pack("d", time.monotonic()))
 
 
 def start_redis(host: str) -> tuple[subprocess.Popen, str]:
@@ -243,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                                  niceness) for i in range(num_prefill)]  # fmt: skip
         pending += [cluster.start(f"decode-{i}", "services.decode_worker", [*common, *share(num_prefill + i)],
                                   decode_cpus) for i in range(num_decode)]  # fmt: skip
+        if lend:  # a worker that dies leaves its slot idle, not as it last wrote it (e.g. a queue)
+            for slot, child in enumerate(pending):
+                child.on_exit = functools.partial(release_core_share_slot, share_file, slot)
         router_args = ["--model", args.model, "--host", args.host, "--port", str(args.port),
                        "--served-model-name", served_model_name(args.model), *shared_flags, *redis_args]  # fmt: skip
         for child in pending:

@@ -42,6 +42,7 @@ class Child:
     info: dict[str, str] = field(default_factory=dict)  # its CLEAVE_READY fields
     cpus: frozenset[int] | None = None  # the CPUs it may run on (None: the launcher's)
     niceness: int = 0  # added to the launcher's (lower priority for positive values)
+    on_exit: Callable[[], None] | None = None  # called once as each exit is noticed, before any restart
 
 
 def child_setup(cpus: frozenset[int] | None = None, niceness: int = 0) -> None:
@@ -135,6 +136,11 @@ class Supervisor:
                 child.restart_at = now + child.backoff_s
                 self._log(f"child_exited name={child.name} code={code} restart_in_s={child.backoff_s:.1f}")
                 child.backoff_s = min(child.backoff_s * 2, MAX_BACKOFF_S)
+                if child.on_exit is not None:
+                    try:
+                        child.on_exit()
+                    except Exception as e:  # supervision goes on whatever the hook does
+                        self._log(f"child_exit_hook_failed name={child.name} error={e!r}")
             elif now >= child.restart_at:
                 child.restarts += 1
                 self._spawn(child)

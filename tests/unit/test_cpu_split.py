@@ -73,3 +73,24 @@ def test_the_lending_file_starts_busy_for_every_worker():
         assert not CoreShare(f"{path}:borrow:0-2:0").lenders_idle()
     finally:
         os.unlink(path)
+
+
+def test_the_slot_of_a_worker_that_exited_reads_idle_not_its_last_queue():
+    """A prefill worker killed while it held a queue: the supervisor's hook marks its slot idle, so a
+    yielding decode worker stops pausing and may borrow the dead worker's CPUs (the router sends it the
+    prompts meanwhile); a restarted worker marks itself busy again."""
+    from shared.engine.cpu_threads import LEND_AFTER_S, CoreShare
+
+    path = launcher.create_core_share_file(2)
+    try:
+        prefill = CoreShare(f"{path}:lend:0")
+        decode = CoreShare(f"{path}:lend:1:borrow:0:0", yield_ratio=1.0)
+        prefill.before_step(num_requests=5)
+        assert decode.yield_after(0.01) > 0.0 and not decode.lenders_idle(0.0)
+        launcher.release_core_share_slot(path, 0)  # what the supervisor calls when it notices the exit
+        assert decode.yield_after(0.01) == 0.0 and decode.lenders_idle(0.0)
+        assert not decode.lenders_idle(LEND_AFTER_S * 100)  # idle from the moment of the release
+        CoreShare(f"{path}:lend:0")  # the restarted worker
+        assert not decode.lenders_idle(0.0)
+    finally:
+        os.unlink(path)
