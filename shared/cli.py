@@ -15,7 +15,7 @@ import os
 import sys
 
 from shared import flags
-from shared.config import EngineConfig
+from shared.config import OVERTAKE_MAX_WAIT_S, SCHEDULING_POLICIES, EngineConfig
 from shared.models.default_model import DEFAULT_MODEL_DIR, DEMO_MODEL_DIR, resolve_model
 
 __all__ = ["DEFAULT_MODEL_DIR", "add_engine_args", "engine_config_from_args", "env_default", "main"]
@@ -101,6 +101,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend", default=env_default("--attention-backend", "auto"), choices=["auto", "torch", "triton"]
     )
+    g.add_argument(
+        "--scheduling-policy",
+        default=env_default("--scheduling-policy", "shortest-first"),
+        choices=list(SCHEDULING_POLICIES),
+        help="the order waiting requests start in: shortest-first (the fewest prompt tokens first, so a burst's "
+        "short prompts do not queue behind its long ones; a request that has waited "
+        f"{OVERTAKE_MAX_WAIT_S:g} s is no longer overtaken by later ones) or fcfs (arrival order); a preempted "
+        "request always goes first",
+    )
     g.add_argument("--enforce-eager", action="store_true", default=bool(env_default("--enforce-eager", "")), help="CUDA: no CUDA graphs")  # fmt: skip
 
 
@@ -120,6 +129,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

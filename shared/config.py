@@ -19,6 +19,10 @@ CUDA_STEP_TOKENS = 2048
 # 1,024 tokens, whose bursts of 64 reached their median first token 1-17% sooner than vLLM's server
 # at its own CPU default (2,048) in four of four, where at 256 they were later in five of eight.
 CPU_STEP_FLOPS = 20e9
+SCHEDULING_POLICIES = ("shortest-first", "fcfs")
+# Under shortest-first, a waiting request is overtaken by shorter ones that arrived after it for this long at
+# most: after that it starts before them, so a long prompt under a steady stream of short ones still starts.
+OVERTAKE_MAX_WAIT_S = 5.0
 CPU_STEP_TOKENS = 256  # the least budget on the CPU
 CPU_STEP_TOKENS_MAX = 2048
 
@@ -61,12 +65,20 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch", "triton"
     enforce_eager: bool = False  # CUDA only: no CUDA graphs for decode steps
     long_prefill_token_threshold: int = 0  # cap one prefill chunk (0: the whole budget)
+    # The order waiting requests are admitted in: "shortest-first" (the fewest prompt tokens first, but a
+    # request waiting OVERTAKE_MAX_WAIT_S or longer before any that arrived after it) or "fcfs" (arrival);
+    # see shared.engine.scheduler.Scheduler.next_waiting
+    scheduling_policy: str = "shortest-first"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         if self.max_num_batched_tokens < 0:
             raise ValueError("max_num_batched_tokens must be >= 1, or 0 for the device's default")
         if self.max_num_seqs < 1:

@@ -158,6 +158,7 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                scheduling_policy=config.scheduling_policy,
             ),
             self.kv,
         )

@@ -107,3 +107,47 @@ def test_fork_n2_shares_prompt_blocks():
     while sched.num_unfinished:
         run_step(sched)
     assert kv.num_free_blocks == 16
+
+
+def _started(sched, token=7):
+    """Ids of the requests that started (their first chunk) in one step."""
+    before = {r.request_id for r in sched.running}
+    run_step(sched, token)
+    return [r.request_id for r in sched.running if r.request_id not in before]
+
+
+def test_shortest_first_starts_the_shortest_waiting_prompt_and_fcfs_the_first_to_arrive():
+    results = {}
+    for policy in ("shortest-first", "fcfs"):
+        kv = KVCacheManager(64, 4)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=8, scheduling_policy=policy), kv)
+        for rid, n in (("long", 12), ("mid", 8), ("short", 3), ("short2", 3)):
+            sched.add_request(req(rid, n, start=100 * len(sched.waiting)))
+        results[policy] = [_started(sched) for _ in range(4)]
+    # Budget 12: the two 3-token prompts (equals in arrival order) and 6 of the 8, then (after the running
+    # requests' tokens) the 12-token one; arrival order starts the 12 alone, then the 8 and a 3, then the other.
+    assert results["shortest-first"][:2] == [["short", "short2", "mid"], ["long"]]
+    assert results["fcfs"][:3] == [["long"], ["mid", "short"], ["short2"]]
+
+
+def test_shortest_first_lets_a_request_waiting_too_long_go_first_and_a_preempted_one_before_all():
+    from shared.config import OVERTAKE_MAX_WAIT_S
+
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, scheduling_policy="shortest-first"), kv)
+    for rid, n in (("old-long", 20), ("short", 3)):
+        sched.add_request(req(rid, n, start=100 * len(sched.waiting)))
+    now = sched.waiting[0].arrival_time
+    assert sched.next_waiting(now) == 1  # the short one overtakes
+    assert sched.next_waiting(now + OVERTAKE_MAX_WAIT_S) == 0  # not once the long one has waited this long
+    sched.waiting[0].status = RequestStatus.PREEMPTED  # preemption puts a request at the front: it goes first
+    assert sched.next_waiting(now) == 0
+
+
+def test_an_unknown_scheduling_policy_is_refused():
+    import pytest
+
+    from shared.config import EngineConfig
+
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(model="m", scheduling_policy="lifo")
