@@ -196,10 +196,10 @@ class EngineCore:
         block_bytes = kv_block_bytes(self.model_config, config.block_size, kv_dtype)
         logger.info(
             "engine ready model=%s device=%s dtype=%s kv_dtype=%s kv_blocks=%d block_size=%d kv_cache_bytes=%d "
-            "max_tokens_in_cache=%d max_model_len=%d load_seconds=%.2f",
+            "max_tokens_in_cache=%d max_model_len=%d step_tokens=%d scheduling_policy=%s load_seconds=%.2f",
             config.model, self.device, self.dtype_name, self.kv_dtype_name, self.num_blocks, config.block_size,
             self.num_blocks * block_bytes, self.num_blocks * config.block_size, self.max_model_len,
-            time.perf_counter() - t0,
+            self.max_num_batched_tokens, config.scheduling_policy, time.perf_counter() - t0,
         )  # fmt: skip
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
