@@ -10,6 +10,8 @@ plain ``SchedulerOutput``; the model runner reads nothing else.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -113,32 +115,40 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def next_waiting(self, now: float) -> int:
-        """The index in ``waiting`` of the request to start next. A preempted request first (it was running;
-        preemption puts it at the front); under "fcfs" the first to arrive; under "shortest-first" the one
-        with the shortest prompt (the first to arrive among equals; a cached prefix is not counted off, it
-        is looked up only for the request that starts), unless the first to arrive has waited
-        OVERTAKE_MAX_WAIT_S: then it. Under a burst, a prompt of 30 tokens then waits for the prompts
-        shorter than it, not for the 500-token ones that arrived before it: the burst's median time to first
-        token falls by about a third and its total work stays the same."""
-        first = self.waiting[0]
-        if (
-            self.config.scheduling_policy == "fcfs"
-            or first.status != RequestStatus.WAITING
-            or now - first.arrival_time >= OVERTAKE_MAX_WAIT_S
+    def start_order(self, now: float, limit: int) -> list[Request]:
+        """Up to ``limit`` waiting requests in the order they may start. Preempted requests first (they were
+        running; preemption puts them at the front); then, under "fcfs", the others as they arrived; under
+        "shortest-first", those that have waited OVERTAKE_MAX_WAIT_S as they arrived, then the rest shortest
+        prompt first (the first to arrive among equals; a cached prefix is not counted off, it is looked up
+        only for a request that starts). Under a burst, a prompt of 30 tokens then waits for the prompts
+        shorter than it, not for the 500-token ones that arrived a moment before it: the burst's median time
+        to first token falls by about a third and its total work stays the same. One pass over the queue a
+        step (``heapq.nsmallest``), whatever its length: an offline batch queues all its prompts at once."""
+        waiting = self.waiting
+        if self.config.scheduling_policy == "fcfs":
+            return list(itertools.islice(waiting, limit))
+        front = 0  # waiting holds the preempted, then the rest in arrival order
+        while (
+            front < len(waiting)
+            and front < limit
+            and (
+                waiting[front].status != RequestStatus.WAITING
+                or now - waiting[front].arrival_time >= OVERTAKE_MAX_WAIT_S
+            )
         ):
-            return 0
-        best, best_tokens = 0, first.num_tokens
-        for i, request in enumerate(self.waiting):
-            if request.num_tokens < best_tokens:
-                best, best_tokens = i, request.num_tokens
-        return best
+            front += 1
+        order = list(itertools.islice(waiting, front))
+        rest = itertools.islice(waiting, front, None)
+        return order + heapq.nsmallest(limit - front, rest, key=lambda r: r.num_tokens)  # stable among equals
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        now = time.monotonic()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            index = self.next_waiting(now)
-            request = self.waiting[index]
+        limit = min(self.config.max_num_seqs - len(self.running), budget)
+        if not self.waiting or limit <= 0:
+            return budget
+        started: list[Request] = []
+        for request in self.start_order(time.monotonic(), limit):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             hits: list[KVBlock] = []
             num_hit_tokens = 0
             if request.num_computed_tokens == 0:
@@ -149,7 +159,7 @@ class Scheduler:
             if block_ids is None:
                 request.num_computed_tokens = 0
                 break
-            del self.waiting[index]
+            started.append(request)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
             if request.scheduled_time is None:
@@ -158,7 +168,19 @@ class Scheduler:
             self.running.append(request)
             self._emit(out, request, num_new, block_ids)
             budget -= num_new
+        self._remove_waiting(started)
         return budget
+
+    def _remove_waiting(self, requests: list[Request]) -> None:
+        """Take ``requests`` out of ``waiting``: from the front one by one (arrival order starts a prefix of
+        it), else in one pass."""
+        ids = {id(r) for r in requests}
+        while ids and self.waiting and id(self.waiting[0]) in ids:
+            ids.discard(id(self.waiting.popleft()))
+        if ids:
+            kept = [r for r in self.waiting if id(r) not in ids]
+            self.waiting.clear()
+            self.waiting.extend(kept)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens

@@ -137,11 +137,19 @@ def test_shortest_first_lets_a_request_waiting_too_long_go_first_and_a_preempted
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, scheduling_policy="shortest-first"), kv)
     for rid, n in (("old-long", 20), ("short", 3)):
         sched.add_request(req(rid, n, start=100 * len(sched.waiting)))
-    now = sched.waiting[0].arrival_time
-    assert sched.next_waiting(now) == 1  # the short one overtakes
-    assert sched.next_waiting(now + OVERTAKE_MAX_WAIT_S) == 0  # not once the long one has waited this long
+    now = sched.waiting[-1].arrival_time
+
+    def order(now, limit=8):
+        return [r.request_id for r in sched.start_order(now, limit)]
+
+    assert order(now) == ["short", "old-long"] and order(now, 1) == ["short"]  # the short one overtakes
+    # not once the long one has waited this long
+    assert order(now + OVERTAKE_MAX_WAIT_S) == ["old-long", "short"]
     sched.waiting[0].status = RequestStatus.PREEMPTED  # preemption puts a request at the front: it goes first
-    assert sched.next_waiting(now) == 0
+    assert order(now) == ["old-long", "short"]
+    sched.waiting[0].status = RequestStatus.WAITING
+    run_step(sched)  # started in that order, and out of the queue
+    assert [r.request_id for r in sched.running] == ["short", "old-long"] and not sched.waiting
 
 
 def test_an_unknown_scheduling_policy_is_refused():
