@@ -67,7 +67,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # cap one prefill chunk (0: the whole budget)
     # The order waiting requests are admitted in: "shortest-first" (the fewest prompt tokens first, but a
     # request waiting OVERTAKE_MAX_WAIT_S or longer before any that arrived after it) or "fcfs" (arrival);
-    # see shared.engine.scheduler.Scheduler.next_waiting
+    # see shared.engine.scheduler.Scheduler.start_order
     scheduling_policy: str = "shortest-first"
 
     def __post_init__(self) -> None:

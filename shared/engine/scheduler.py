@@ -2,7 +2,7 @@
 
 Each step spends a token budget: running requests first (a decode costs one
 token, an unfinished prefill its next chunk), then waiting requests with
-chunked prefill, shortest prompt first or in arrival order (``next_waiting``).
+chunked prefill, shortest prompt first or in arrival order (``start_order``).
 When a running request cannot get a block, the newest running request is
 preempted by recompute. The result of a step is one
 plain ``SchedulerOutput``; the model runner reads nothing else.
@@ -30,7 +30,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 4096
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
-    scheduling_policy: str = "fcfs"  # or "shortest-first" (see Scheduler.next_waiting)
+    scheduling_policy: str = "fcfs"  # or "shortest-first" (see Scheduler.start_order)
 
 
 @dataclass
