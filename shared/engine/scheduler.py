@@ -146,8 +146,8 @@ class Scheduler:
         if not self.waiting or limit <= 0:
             return budget
         started: list[Request] = []
-        for request in self.start_order(time.monotonic(), limit):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        for request in self.start_order(time.monotonic(), limit):  # limit: the free sequence slots at most
+            if budget <= 0:
                 break
             hits: list[KVBlock] = []
             num_hit_tokens = 0
