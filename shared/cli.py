@@ -15,7 +15,7 @@ import os
 import sys
 
 from shared import flags
-from shared.config import OVERTAKE_MAX_WAIT_S, SCHEDULING_POLICIES, EngineConfig
+from shared.config import KV_CACHE_DTYPES, OVERTAKE_MAX_WAIT_S, SCHEDULING_POLICIES, EngineConfig
 from shared.models.default_model import DEFAULT_MODEL_DIR, DEMO_MODEL_DIR, resolve_model
 
 __all__ = ["DEFAULT_MODEL_DIR", "add_engine_args", "engine_config_from_args", "env_default", "main"]
@@ -48,10 +48,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "but bfloat16 for a bfloat16 checkpoint over 1B parameters",
         "--kv-cache-dtype": "KV cache dtype; auto: the model's, but bfloat16 where --dtype auto runs a bfloat16 "
         "checkpoint in float32 on the CPU (half the bytes per token, the checkpoint's own precision); on CUDA "
-        "the model's",
+        "the model's. fp8 (fp8_e4m3) and fp8_e5m2, on the CPU: a quarter of float32's bytes per token (four "
+        "times the tokens in --kv-cache-memory, a quarter of what decode attention reads), K and V rounded to "
+        "3 (e4m3) or 2 (e5m2) mantissa bits and saturated at 448 (e4m3) or 57344 (e5m2), without a scale",
     }
     for flag, text in dtypes.items():
-        g.add_argument(flag, default=env_default(flag, "auto"), choices=["auto", "float32", "bfloat16"], help=text)
+        choices = KV_CACHE_DTYPES if flag == "--kv-cache-dtype" else ("auto", "float32", "bfloat16")
+        g.add_argument(flag, default=env_default(flag, "auto"), choices=choices, help=text)
     g.add_argument("--device", default=env_default("--device", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=int(env_default("--block-size", 16)), help="tokens per KV block")
     g.add_argument(

@@ -44,12 +44,18 @@ def default_step_tokens(device_type: str, layer_parameters: int) -> int:
     return CUDA_STEP_TOKENS if device_type == "cuda" else cpu_step_tokens(layer_parameters)
 
 
+# The float8 KV caches (vLLM's names; "fp8" is e4m3) and the torch dtype each stores: K and V rounded to nearest
+# even, saturating at the format's largest value (448 for e4m3, 57344 for e5m2), without a scale.
+FP8_KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", *FP8_KV_CACHE_DTYPES)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face checkpoint directory
     dtype: str = "auto"  # "auto" (the checkpoint's, float32 on CPU for float16), "float32", "bfloat16"
-    # "auto" (the model's dtype; bfloat16 where a bfloat16 checkpoint runs in float32 on the CPU), "float32",
-    # "bfloat16"; see shared.engine.engine_core.resolve_kv_dtype
+    # one of KV_CACHE_DTYPES: "auto" (the model's dtype; bfloat16 where a bfloat16 checkpoint runs in float32
+    # on the CPU), "float32", "bfloat16", or float8 on the CPU; see shared.engine.engine_core.resolve_kv_dtype
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # "auto" (cuda when available), "cpu", "cuda"
     block_size: int = 16  # tokens per KV block
@@ -73,8 +79,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"

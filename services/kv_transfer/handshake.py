@@ -20,7 +20,7 @@ PROTOCOL_VERSION = 1
 # operator needs when they differ.
 _GEOMETRY_REMEDIES: dict[str, str] = {
     "model_id": "serve the same model on both (--model)",
-    "dtype": "start both with the same --dtype",
+    "dtype": "start both with the same --dtype and --kv-cache-dtype",
     "block_size": "start both with the same --block-size",
     "num_layers": "serve the same model checkpoint on both",
     "num_kv_heads": "serve the same model checkpoint on both (and the same tensor-parallel size)",

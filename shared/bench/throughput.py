@@ -204,6 +204,11 @@ def run_vllm(args, workload) -> dict:
         raise SystemExit("--backend vllm needs --vllm-python: the python of a separate vLLM install")
     model_config = load_model_config(args.model)
     dtype = args.dtype if args.dtype != "auto" else (model_config.torch_dtype or "float32")
+    kv_cache_dtype = args.kv_cache_dtype  # vLLM's names, but float32 is its "auto" for a float32 model
+    if kv_cache_dtype == "float32":
+        if dtype not in ("float32", "float16"):
+            raise SystemExit("--backend vllm: vLLM keeps a float32 KV cache for a float32 model only (--dtype float32)")
+        kv_cache_dtype = "auto"
     spec = {
         "model": str(Path(args.model).resolve()), "dtype": "float32" if dtype == "float16" else dtype,
         # The budget Cleave's engine picks when --max-num-batched-tokens is 0: vLLM gets the same.
@@ -212,6 +217,7 @@ def run_vllm(args, workload) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_model_len": int(args.max_model_len) if args.max_model_len else None,
+        "kv_cache_dtype": kv_cache_dtype,
         "requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload],
     }  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:

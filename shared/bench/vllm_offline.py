@@ -31,7 +31,8 @@ def main(spec_path: str) -> int:
     llm = LLM(
         model=spec["model"], dtype=spec["dtype"], max_num_batched_tokens=spec["max_num_batched_tokens"],
         max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=spec["enable_prefix_caching"],
-        max_model_len=spec["max_model_len"], skip_tokenizer_init=True, seed=0,
+        max_model_len=spec["max_model_len"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+        skip_tokenizer_init=True, seed=0,
     )  # fmt: skip
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in spec["requests"]]
     params = [

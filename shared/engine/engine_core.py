@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared.config import EngineConfig, default_step_tokens
+from shared.config import FP8_KV_CACHE_DTYPES, EngineConfig, default_step_tokens
 from shared.engine.beam_search import BeamGroup, BeamSearch
 from shared.engine.cpu_alloc import keep_freed_memory
 from shared.engine.cpu_threads import CoreShare, ThreadGovernor
@@ -103,7 +103,9 @@ def resolve_kv_dtype(name: str, dtype_flag: str, dtype_name: str, checkpoint_dty
     checkpoint's own precision, half the bytes a token (twice the tokens in the same
     ``--kv-cache-memory``, half the memory traffic of decode attention, which at batch 64 is about half a step).
     Decided by the checkpoint and the flags alone, as the dtype is: a prefill and a decode worker must agree. On
-    CUDA the cache must be the model's dtype (the Triton kernels read it as the queries' dtype)."""
+    CUDA the cache must be the model's dtype (the Triton kernels read it as the queries' dtype). A float8 name
+    (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) becomes torch's (``float8_e4m3fn``, ``float8_e5m2``)."""
+    name = FP8_KV_CACHE_DTYPES.get(name, name)
     if name == "auto":
         if device.type == "cpu" and dtype_flag == "auto" and checkpoint_dtype == "bfloat16" and dtype_name == "float32":
             return "bfloat16"

@@ -1,10 +1,10 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-``paged_decode`` and ``paged_prefill`` read K/V straight from the paged cache, float32
-or bfloat16 (the torch path must first gather the blocks into a copy); ``paged_prefill``
+``paged_decode`` and ``paged_prefill`` read K/V straight from the paged cache, float32,
+bfloat16 or float8 (the torch path must first gather the blocks into a copy); ``paged_prefill``
 applies causality per key block and shares K/V rows across a GQA group, so it
 needs neither a mask nor a K/V repeat. ``write_kv`` stores new K/V rows (one memcpy
-each into a float32 cache, rounded to nearest even into a bfloat16 one). ``rms_norm``
+each into a float32 cache, rounded to nearest even into a bfloat16 or float8 one). ``rms_norm``
 and ``rope_`` are the model's element-wise ops in one pass each (RoPE in place on the fused q|k|v output, bit-identical to torch);
 ``add_rms_norm_`` is a sublayer's residual add and the next norm in one pass, and
 ``silu_mul`` the MLP's activation on the fused gate|up output; ``linear`` is the float32 projection
@@ -123,11 +123,17 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+# The cache dtypes the attention kernels are built for (csrc/kv.h), and the suffix of each one's kernels; the
+# position is the build's KV_KIND (llama_forward_f32 reads it from ForwardArgs.kv_kind).
+_KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+KV_KIND = {dtype: kind for kind, dtype in enumerate(_KV_SUFFIX)}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    for suffix in ("f32", "bf16"):  # the cache's dtype; bf16 optional: an older prebuilt library has float32 only
-        if suffix == "bf16" and not hasattr(lib, "paged_decode_bf16"):
-            break
+    for suffix in _KV_SUFFIX.values():  # the cache's dtype; all but f32 optional: an older prebuilt library
+        if suffix != "f32" and not hasattr(lib, f"paged_decode_{suffix}"):  # may lack them
+            continue
         fn = getattr(lib, f"paged_decode_{suffix}")
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, i32]
         fn.restype = ctypes.c_int
@@ -196,11 +202,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.pool_record_cpus_lender_back.restype = None
 
 
-_KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
 def kv_cache_supported(dtype: torch.dtype) -> bool:
-    """The attention kernels read a cache of this dtype (float32, or bfloat16 from a library that has them)."""
+    """The attention kernels read a cache of this dtype (float32; bfloat16 or float8 from a library that has them)."""
     lib = load()
     return lib is not None and dtype in _KV_SUFFIX and hasattr(lib, f"paged_decode_{_KV_SUFFIX[dtype]}")
 
@@ -211,7 +214,7 @@ def _kv_kernel(name: str, cache: torch.Tensor):
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """float32 queries over a float32 or bfloat16 cache."""
+    """float32 queries over a float32, bfloat16 or float8 cache."""
     head_dim = k_cache.shape[3]
     return (
         query.device.type == "cpu"
@@ -271,7 +274,7 @@ def paged_prefill(
 
 
 def supports_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """float32 rows of K/V (inner two dims contiguous) going into float32 or bfloat16 caches of the same layout."""
+    """float32 rows of K/V (inner two dims contiguous) going into float32, bfloat16 or float8 caches of one layout."""
     head_dim = k_cache.shape[3]
     rows_ok = all(t.stride()[1:] == (head_dim, 1) for t in (key, value))
     return (

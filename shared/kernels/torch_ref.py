@@ -24,6 +24,9 @@ def write_kv(
     num_blocks, block_size = k_cache.shape[:2]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
+    if k_cache.element_size() == 1:  # float8: saturated at its largest value (e5m2 would round beyond to inf)
+        limit = torch.finfo(k_cache.dtype).max
+        key, value = key.clamp(-limit, limit), value.clamp(-limit, limit)
     k_cache[block_ids, offsets] = key.to(k_cache.dtype)
     v_cache[block_ids, offsets] = value.to(v_cache.dtype)
 

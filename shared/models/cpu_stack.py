@@ -48,7 +48,7 @@ class _ForwardArgs(ctypes.Structure):
         ("sgemm", ctypes.c_void_p),
         *[(name, ctypes.c_int) for name in ("num_tokens", "hidden", "q_size", "kv_size", "intermediate", "num_heads",
                                              "num_kv_heads", "head_dim", "num_layers", "block_size", "num_seqs",
-                                             "max_seq_len", "is_decode", "kv_bf16")],
+                                             "max_seq_len", "is_decode", "kv_kind")],
         ("scale", ctypes.c_float), ("final_eps", ctypes.c_float), ("final_norm", ctypes.c_void_p),
         ("kv_cache", ctypes.c_void_p),
         *[(name, ctypes.c_int64) for name in ("block_stride", "row_stride", "layer_stride", "value_offset")],
@@ -113,7 +113,7 @@ class CpuStack:
             and isinstance(attn_backend, torch_ref.TorchAttentionBackend)
             and lib is not None
             and hasattr(lib, "llama_forward_f32")
-            and hasattr(lib, "paged_decode_bf16")  # built from sources whose ForwardArgs has kv_bf16
+            and hasattr(lib, "paged_decode_e4m3")  # built from sources whose ForwardArgs has kv_kind
             and config.num_heads % config.num_kv_heads == 0
             and config.num_heads // config.num_kv_heads <= MAX_GROUP
             and config.head_dim <= MAX_HEAD_DIM
@@ -162,7 +162,7 @@ class CpuStack:
 
     def supports(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
         """The cache layout the kernels read: [blocks, layers, 2, block_size, kv_heads, head_dim], rows contiguous,
-        float32 or bfloat16."""
+        float32, bfloat16 or float8."""
         return (
             cpu_kernels.kv_cache_supported(kv_cache.dtype)
             and kv_cache.dim() == 6
@@ -203,7 +203,7 @@ class CpuStack:
         args = _ForwardArgs(
             self.sgemm, num_tokens, self.hidden_size, self.q_size, self.kv_size, self.intermediate, self.num_heads,
             self.num_kv_heads, self.head_dim, len(self.layer_weights), meta.block_size, meta.num_seqs,
-            meta.max_seq_len, int(meta.is_pure_decode), int(kv_cache.dtype == torch.bfloat16), self.scale,
+            meta.max_seq_len, int(meta.is_pure_decode), cpu_kernels.KV_KIND[kv_cache.dtype], self.scale,
             model.norm.eps, model.norm.weight.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(3),
             kv_cache.stride(1), kv_cache.stride(2),
             slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),

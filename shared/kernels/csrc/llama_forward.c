@@ -35,18 +35,24 @@ int paged_prefill_f32(const float *q, float *out, const float *k_cache, const fl
                       int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
                       const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs, int num_heads,
                       int num_kv_heads, int head_dim, int block_size, float scale);
-/* Their bfloat16-cache builds (paged_decode_bf16.c, paged_prefill_bf16.c). */
-void write_kv_bf16(const float *key, const float *value, int64_t key_stride, int64_t value_stride, uint16_t *k_cache,
-                   uint16_t *v_cache, int64_t block_stride, int64_t row_stride, const int64_t *slot_mapping,
-                   int num_tokens, int row_elems, int block_size);
-int paged_decode_bf16(const float *q, float *out, const uint16_t *k_cache, const uint16_t *v_cache,
-                      int64_t block_stride, int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
-                      const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                      int block_size, float scale, int max_seq_len);
-int paged_prefill_bf16(const float *q, float *out, const uint16_t *k_cache, const uint16_t *v_cache,
-                       int64_t block_stride, int64_t row_stride, const int32_t *block_tables, int64_t bt_stride,
-                       const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs, int num_heads,
-                       int num_kv_heads, int head_dim, int block_size, float scale);
+/* Their builds for the narrower caches (paged_decode_bf16.c, paged_prefill_bf16.c, and the e4m3 and e5m2 files). */
+#define NARROW_KV_KERNELS(KV_T, SUFFIX)                                                                               \
+    void write_kv_##SUFFIX(const float *key, const float *value, int64_t key_stride, int64_t value_stride,          \
+                           KV_T *k_cache, KV_T *v_cache, int64_t block_stride, int64_t row_stride,                   \
+                           const int64_t *slot_mapping, int num_tokens, int row_elems, int block_size);             \
+    int paged_decode_##SUFFIX(const float *q, float *out, const KV_T *k_cache, const KV_T *v_cache,                 \
+                              int64_t block_stride, int64_t row_stride, const int32_t *block_tables,                 \
+                              int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads,               \
+                              int num_kv_heads, int head_dim, int block_size, float scale, int max_seq_len);         \
+    int paged_prefill_##SUFFIX(const float *q, float *out, const KV_T *k_cache, const KV_T *v_cache,                \
+                               int64_t block_stride, int64_t row_stride, const int32_t *block_tables,                \
+                               int64_t bt_stride, const int32_t *query_start_loc, const int32_t *seq_lens,          \
+                               int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,          \
+                               float scale);
+NARROW_KV_KERNELS(uint16_t, bf16)
+NARROW_KV_KERNELS(uint8_t, e4m3)
+NARROW_KV_KERNELS(uint8_t, e5m2)
+#undef NARROW_KV_KERNELS
 
 typedef struct {
     const float *qkv_weight, *o_weight, *gate_up_weight, *down_weight, *input_norm, *post_norm;
@@ -60,7 +66,7 @@ typedef struct {
 typedef struct {
     sgemm_fn sgemm; /* NULL: gemm.c's linear_f32 */
     int num_tokens, hidden, q_size, kv_size, intermediate, num_heads, num_kv_heads, head_dim, num_layers;
-    int block_size, num_seqs, max_seq_len, is_decode, kv_bf16; /* kv_bf16: the cache holds bfloat16 */
+    int block_size, num_seqs, max_seq_len, is_decode, kv_kind; /* kv.h's KV_KIND of the cache */
     float scale, final_eps;
     const float *final_norm;
     void *kv_cache;                                    /* [blocks, layers, 2, block_size, kv_heads, head_dim] */
@@ -96,7 +102,7 @@ static void linear(sgemm_fn sgemm, const float *x, const float *w, const float *
     sgemm(&transa, &transb, &n, &m, &k, &alpha, w, &k, x, &k, &beta, y, &n);
 }
 
-/* The layer's KV write and paged attention, for a cache of float32 (KV_T float, suffix f32) or bfloat16. */
+/* The layer's KV write and paged attention, for a cache of float32 (KV_T float, suffix f32), bfloat16 or float8. */
 #define ATTENTION(KV_T, SUFFIX)                                                                                        \
     static int attention_##SUFFIX(const ForwardArgs *a, int l, const float *qkv, const float *q, float *attn) {      \
         const int qkv_dim = a->q_size + 2 * a->kv_size;                                                               \
@@ -114,6 +120,8 @@ static void linear(sgemm_fn sgemm, const float *x, const float *w, const float *
     }
 ATTENTION(float, f32)
 ATTENTION(uint16_t, bf16)
+ATTENTION(uint8_t, e4m3)
+ATTENTION(uint8_t, e5m2)
 #undef ATTENTION
 
 /* Floats of scratch the forward needs for num_tokens tokens. */
@@ -137,7 +145,13 @@ int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
         linear(a->sgemm, normed, w->qkv_weight, w->qkv_packed, w->qkv_amx, qkv, t, qkv_dim, h);
         rope_f32(qkv, qkv_dim, t, a->num_heads + a->num_kv_heads, a->head_dim, a->cos, a->sin);
         for (int i = 0; i < t; i++) memcpy(q + (int64_t)i * a->q_size, qkv + (int64_t)i * qkv_dim, sizeof(float) * (size_t)a->q_size);
-        const int status = a->kv_bf16 ? attention_bf16(a, l, qkv, q, attn) : attention_f32(a, l, qkv, q, attn);
+        int status;
+        switch (a->kv_kind) {
+        case 1: status = attention_bf16(a, l, qkv, q, attn); break;
+        case 2: status = attention_e4m3(a, l, qkv, q, attn); break;
+        case 3: status = attention_e5m2(a, l, qkv, q, attn); break;
+        default: status = attention_f32(a, l, qkv, q, attn);
+        }
         if (status != 0) return status;
         linear(a->sgemm, attn, w->o_weight, w->o_packed, w->o_amx, o, t, h, a->q_size);
         add_rms_norm_f32(o, h, a->residual, h, w->post_norm, normed, h, t, h, w->post_eps);

@@ -3,7 +3,8 @@
  * to its whole context, read straight from the paged KV cache (no gather copy).
  *
  * Layouts (element strides given by the caller; q and out float32, the cache kv_t: float32 here,
- * bfloat16 in paged_decode_bf16.c, which compiles this file again with KV_BF16 set; see kv.h):
+ * bfloat16 in paged_decode_bf16.c, which compiles this file again with KV_KIND set, float8 in
+ * paged_decode_e4m3.c and paged_decode_e5m2.c; see kv.h):
  *   q, out        [num_seqs, num_heads, head_dim], contiguous
  *   k/v cache     a layer's view [num_blocks, block_size, num_kv_heads, head_dim];
  *                 block_stride between blocks, rows of num_kv_heads * head_dim
@@ -115,8 +116,8 @@ static inline void score_rows(const float *q, const float *k, int64_t row_stride
     }
 }
 
-#if KV_BF16
-/* score_rows over n <= 16 bfloat16 keys: widened once into a float32 tile (in L1) that every head of the group
+#if KV_KIND != 0
+/* score_rows over n <= 16 bfloat16 or float8 keys: widened once into a float32 tile (in L1) that every head of the group
  * reads, rather than widened again for each head. */
 static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride, int n, int group, int head_dim,
                               float scale, float *scores, int64_t seq_len, int t0) {
@@ -360,7 +361,7 @@ static void head_range(const float *q, float *out, const kv_t *k_cache, const kv
 }
 #endif
 
-#if !KV_BF16 /* the parts that do not read the cache: once, in the float32 build */
+#if KV_KIND == 0 /* the parts that do not read the cache: once, in the float32 build */
 /* The most KV heads one item of decode_heads_* takes (1 with AVX-512: its one-head path). */
 int decode_heads_per_item(int num_kv_heads, int group, int head_dim) {
 #if defined(__AVX512F__)

@@ -8,7 +8,8 @@
  * heads of one KV head (a GQA group) share every K/V row read (no K/V repeat).
  *
  * Layouts (element strides given by the caller; q and out float32, the cache kv_t: float32 here,
- * bfloat16 in paged_prefill_bf16.c, which compiles this file again with KV_BF16 set; see kv.h):
+ * bfloat16 in paged_prefill_bf16.c, which compiles this file again with KV_KIND set, float8 in
+ * paged_prefill_e4m3.c and paged_prefill_e5m2.c; see kv.h):
  *   q, out          [num_tokens, num_heads, head_dim], contiguous
  *   k/v cache       a layer's view [num_blocks, block_size, num_kv_heads, head_dim];
  *                   block_stride between blocks, rows of num_kv_heads * head_dim
@@ -502,7 +503,7 @@ int KV_NAME(paged_prefill)(const float *q, float *out, const kv_t *k_cache, cons
 }
 
 static inline void store_row(kv_t *dst, const float *src, int n) {
-#if KV_BF16
+#if KV_KIND != 0
     for (int d = 0; d < n; d++) dst[d] = kv_from_float(src[d]);
 #else
     memcpy(dst, src, sizeof(float) * (size_t)n);

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from shared.config import EngineConfig
 from shared.engine import LLM, SamplingParams
 from shared.engine.sampling_params import InvalidRequestError
 
@@ -215,22 +216,26 @@ def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoin
                 assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
 
 
-def test_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(checkpoint_factory):
-    """A bfloat16 cache of a float32 model: half the bytes a block (so twice the blocks in the same memory), and
-    greedy outputs whose logprobs stay close to the float32 cache's (only K and V are rounded)."""
+@pytest.mark.parametrize("kv, factor, tolerance", [("bfloat16", 2, 0.05), ("fp8", 4, 0.2), ("fp8_e5m2", 4, 0.3)])
+def test_narrow_kv_cache_holds_more_tokens_and_stays_close(checkpoint_factory, kv, factor, tolerance):
+    """A bfloat16 or float8 cache of a float32 model: a half or a quarter of the bytes a block (so two or four
+    times the blocks in the same memory), and greedy outputs whose logprobs stay close to the float32 cache's
+    (only K and V are rounded: to 8 mantissa bits, or 3 and 2)."""
     model_dir = checkpoint_factory("llama")
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     runs = {}
-    for kv in ("float32", "bfloat16"):
-        llm = small_llm(model_dir, num_blocks=None, kv_cache_memory=1 << 20, kv_cache_dtype=kv)
+    for dtype in ("float32", kv):
+        llm = small_llm(model_dir, num_blocks=None, kv_cache_memory=1 << 20, kv_cache_dtype=dtype)
         prompts = make_prompts(llm.engine.model_config.vocab_size, set(), count=6, seed=5)
-        runs[kv] = (llm.engine.num_blocks, [out.outputs[0].logprobs[0] for out in llm.generate(prompts, params)])
-    assert runs["bfloat16"][0] == 2 * runs["float32"][0]
-    for exact, rounded in zip(runs["float32"][1], runs["bfloat16"][1], strict=True):
+        runs[dtype] = (llm.engine.num_blocks, [out.outputs[0].logprobs[0] for out in llm.generate(prompts, params)])
+    assert runs[kv][0] == factor * runs["float32"][0]
+    worst = 0.0
+    for exact, rounded in zip(runs["float32"][1], runs[kv][1], strict=True):
         top = next(iter(exact))
         assert top in rounded and next(iter(rounded)) in exact
         for token_id in exact.keys() & rounded.keys():
-            assert abs(exact[token_id] - rounded[token_id]) < 0.05
+            worst = max(worst, abs(exact[token_id] - rounded[token_id]))
+    assert worst < tolerance
 
 
 def test_kv_cache_dtype_rule():
@@ -244,8 +249,15 @@ def test_kv_cache_dtype_rule():
     assert resolve_kv_dtype("float32", "auto", "float32", "bfloat16", cpu) == "float32"
     assert resolve_kv_dtype("bfloat16", "float32", "float32", "float32", cpu) == "bfloat16"
     assert resolve_kv_dtype("auto", "auto", "bfloat16", "bfloat16", cuda) == "bfloat16"
+    for name, torch_name in [("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")]:
+        assert resolve_kv_dtype(name, "auto", "float32", "float32", cpu) == torch_name
+        assert resolve_kv_dtype(name, "auto", "bfloat16", "bfloat16", cpu) == torch_name
+        with pytest.raises(ValueError, match="KV cache is the model's dtype"):
+            resolve_kv_dtype(name, "auto", "bfloat16", "bfloat16", cuda)
     with pytest.raises(ValueError, match="KV cache is the model's dtype"):
         resolve_kv_dtype("float32", "auto", "bfloat16", "bfloat16", cuda)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, fp8"):
+        EngineConfig(model="unused", kv_cache_dtype="float8")
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,13 @@ from shared.kernels import cpu_kernels, torch_ref
 from tests.helpers.paged import SeqChunk, build_metadata
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _decode_batch(seq_lens, block_size, num_kv_heads, group, head_dim, gen, kv_dtype=torch.float32):
     """One decode row per sequence over shuffled blocks; K/V are strided views of a 3-layer cache's last layer
-    (of ``kv_dtype``: the reference reads a bfloat16 cache widened to float32, exactly what the kernel reads)."""
+    (of ``kv_dtype``: the reference reads a bfloat16 or float8 cache widened to float32, exactly what the kernel
+    reads)."""
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     ids = torch.randperm(sum(blocks_per_seq) + 4, generator=gen).tolist()
     tables = [ids[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])] for i in range(len(seq_lens))]
@@ -24,8 +26,8 @@ def _decode_batch(seq_lens, block_size, num_kv_heads, group, head_dim, gen, kv_d
 
 
 # Vector paths: head_dim % 16 (scores), % 64 (weighted values), blocks over 16 keys, groups over 4 heads;
-# each over a float32 and a bfloat16 cache.
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+# each over every cache dtype the kernels are built for.
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(
     "block_size,group,head_dim",
     [(4, 1, 16), (16, 2, 32), (16, 4, 64), (8, 3, 32), (16, 3, 64), (32, 6, 128), (8, 5, 24), (64, 1, 192)],
@@ -56,7 +58,7 @@ def test_kernel_declines_unsupported_shapes():
 
 
 # Eight or more sequences: each item takes every KV head of a sequence (one contiguous read per cache row).
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 3, 64), (8, 5, 24), (4, 2, 20)])
 def test_decode_rows_do_not_depend_on_the_batch(block_size, group, head_dim, kv_dtype):
     gen = torch.Generator().manual_seed(block_size * 13 + head_dim)

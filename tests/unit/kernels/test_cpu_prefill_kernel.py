@@ -9,6 +9,8 @@ from shared.kernels import cpu_kernels, torch_ref
 from tests.helpers.paged import SeqChunk, build_metadata
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _mixed_batch(block_size: int, gen: torch.Generator):
@@ -25,7 +27,7 @@ def _mixed_batch(block_size: int, gen: torch.Generator):
     return meta, len(ids)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize(
     "block_size,group,head_dim",
     [(16, 3, 64), (16, 1, 32), (8, 4, 16), (32, 2, 64), (4, 5, 8), (16, 6, 128), (64, 1, 192)],
@@ -34,7 +36,7 @@ def test_prefill_kernel_matches_reference(block_size, group, head_dim, kv_dtype)
     gen = torch.Generator().manual_seed(block_size * 11 + group)
     meta, num_blocks = _mixed_batch(block_size, gen)
     num_kv_heads = 2
-    # A bfloat16 cache: the reference reads it widened to float32, exactly what the kernel reads.
+    # A bfloat16 or float8 cache: the reference reads it widened to float32, exactly what the kernel reads.
     kv_cache = torch.randn(num_blocks, 3, 2, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
     k_cache, v_cache = kv_cache[:, 1, 0], kv_cache[:, 1, 1]  # strided layer views
     query = torch.randn(sum(meta.query_lens_cpu), num_kv_heads * group, head_dim, generator=gen)
@@ -60,7 +62,7 @@ def test_prefill_kernel_declines_unsupported_shapes():
     torch.testing.assert_close(torch_ref.paged_attention_fast(query, k_cache, v_cache, meta, 0.25), ref)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_write_kv_matches_reference(kv_dtype):
     gen = torch.Generator().manual_seed(3)
     num_blocks, block_size, num_kv_heads, head_dim = 6, 4, 2, 8
@@ -76,5 +78,34 @@ def test_write_kv_matches_reference(kv_dtype):
     assert cpu_kernels.supports_write(key, value, ours[:, layer, 0], ours[:, layer, 1])
     cpu_kernels.write_kv(key, value, ours[:, layer, 0], ours[:, layer, 1], slots)
     torch_ref.write_kv(key, value, theirs[:, layer, 0], theirs[:, layer, 1], slots)
-    assert torch.equal(ours, theirs)
-    assert ours[:, 0].abs().sum() == 0  # the other layer is untouched
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # bit for bit (float8 has no equal)
+    assert ours[:, 0].float().abs().sum() == 0  # the other layer is untouched
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_write_kv_rounds_to_float8_as_torch_does(kv_dtype):
+    """Every kind of float32 into a float8 cache: random bit patterns (every exponent, so overflow, subnormal and
+    underflowing values), values near the format's range and rounding ties, bit for bit what torch's conversion
+    gives after the clamp to the largest finite value (which keeps e5m2 from rounding to infinity)."""
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(-(2**31), 2**31, (1 << 16,), generator=gen, dtype=torch.int64).to(torch.int32)
+    patterns = bits.view(torch.float32)
+    top, tiny = torch.finfo(kv_dtype).max, torch.finfo(kv_dtype).smallest_normal
+    mant = 3 if kv_dtype == torch.float8_e4m3fn else 2
+    unit = tiny * 2.0**-mant  # the smallest subnormal
+    edges = torch.tensor([0.0, -0.0, top, top * 1.02, top * 1.07, top * 1.2, 3e38, tiny, tiny * (1 - 2.0**-mant / 2),
+                          unit, unit / 2, unit / 2 * (1 + 2**-20), unit * 1.5, unit * 2.5, unit / 3,
+                          1 + 2.0 ** -(mant + 1), 1 + 3 * 2.0 ** -(mant + 1), 1 + 2.0 ** -(mant + 1) + 2**-20])  # fmt: skip
+    spread = torch.randn(1 << 14, generator=gen) * torch.exp(torch.randn(1 << 14, generator=gen) * 4)
+    x = torch.cat([patterns[torch.isfinite(patterns)], edges, -edges, spread])
+    x = x[: x.numel() // 8 * 8].view(-1, 1, 8)
+    ours = torch.zeros(x.shape[0], 1, 1, 8, dtype=kv_dtype)
+    theirs = torch.zeros_like(ours)
+    slots = torch.arange(x.shape[0])
+    cpu_kernels.write_kv(x, x, ours, ours.clone(), slots)
+    torch_ref.write_kv(x, x, theirs, theirs.clone(), slots)
+    expected = x.clamp(-top, top).to(kv_dtype).view(torch.uint8).flatten()
+    assert torch.equal(theirs.view(torch.uint8).flatten(), expected)
+    mismatched = (ours.view(torch.uint8).flatten() != expected).nonzero().flatten()
+    assert mismatched.numel() == 0, x.flatten()[mismatched[:8]].tolist()
+    assert torch.isfinite(ours.float()).all()

@@ -86,7 +86,10 @@ def test_every_difference_is_listed():
     with pytest.raises(KVCompatibilityError) as info:
         check_peer(peer(dtype="float16", head_dim=128), peer())
     message = str(info.value)
-    assert "peer worker uses dtype 'bfloat16', this worker 'float16': start both with the same --dtype" in message
+    assert (
+        "peer worker uses dtype 'bfloat16', this worker 'float16': start both with the same --dtype and --kv-cache-dtype"
+        in message
+    )
     assert "head_dim 64, this worker 128" in message
 
 

@@ -1,6 +1,7 @@
-"""A bfloat16 checkpoint served by a real cluster: ``--dtype auto`` runs it in float32 on the CPU with its KV
-cache in bfloat16, the prefill worker's bfloat16 blocks move to the decode worker over TCP, and the streamed
-greedy texts equal the offline engine's with the same settings."""
+"""Narrow KV caches served by a real cluster: a bfloat16 checkpoint that ``--dtype auto`` runs in float32 on the
+CPU with its KV cache in bfloat16, and a float32 one with ``--kv-cache-dtype fp8``; the prefill worker's blocks
+move to the decode worker over TCP, and the streamed greedy texts equal the offline engine's with the same
+settings."""
 
 from __future__ import annotations
 
@@ -17,26 +18,31 @@ PROMPTS = ["the weather today", "once upon a time there was", "hello", "a long s
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def bf16_model(checkpoint_factory):
-    return checkpoint_factory("llama", dtype="bfloat16")
+CASES = {  # checkpoint dtype, the workers' flags, the cache dtype they log
+    "bfloat16": ("bfloat16", ["--dtype", "auto"], "bfloat16"),
+    "fp8": ("float32", ["--dtype", "float32", "--kv-cache-dtype", "fp8"], "float8_e4m3fn"),
+}
 
 
-def test_bfloat16_blocks_move_between_workers_and_match_offline(bf16_model):
-    llm = LLM(model=str(bf16_model), dtype="auto", num_blocks=256)
-    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+@pytest.mark.parametrize("case", CASES)
+def test_narrow_kv_blocks_move_between_workers_and_match_offline(checkpoint_factory, case):
+    checkpoint_dtype, flags, kv_dtype = CASES[case]
+    model = checkpoint_factory("llama", dtype=checkpoint_dtype)
+    settings = dict(zip([f.removeprefix("--").replace("-", "_") for f in flags[::2]], flags[1::2], strict=True))
+    llm = LLM(model=str(model), num_blocks=256, **settings)
+    assert llm.engine.runner.kv_cache.dtype == getattr(torch, kv_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [out.outputs[0].text for out in llm.generate(PROMPTS, params)]
     del llm
 
-    extra = ["--dtype", "auto", "--kv-transfer-backend", "tcp", "--no-kv-local-reads"]
-    workers = [start_worker("prefill", bf16_model, *extra), start_worker("decode", bf16_model, *extra)]
+    extra = [*flags, "--kv-transfer-backend", "tcp", "--no-kv-local-reads"]
+    workers = [start_worker("prefill", model, *extra), start_worker("decode", model, *extra)]
     router = None
     try:
         for w in workers:
             wait_worker(w)
-            assert any("kv_dtype=bfloat16" in line for line in w.lines), w.lines[-20:]
-        router, base = start_router(bf16_model, workers[:1], workers[1:])
+            assert any(f"kv_dtype={kv_dtype} " in line for line in w.lines), w.lines[-20:]
+        router, base = start_router(model, workers[:1], workers[1:])
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         name = openai.OpenAI(base_url=base + "/v1", api_key="unused").models.list().data[0].id
 
