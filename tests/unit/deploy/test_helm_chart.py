@@ -66,6 +66,7 @@ def test_default_objects() -> None:
     assert "preStop" in container["lifecycle"] and worker["spec"]["terminationGracePeriodSeconds"] >= 60
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["CLEAVE_NO_PREFIX_CACHING"] == "0" and env["CLEAVE_REDIS_URL"] == "redis://t-cleave-redis:6379/0"
+    assert env["CLEAVE_KV_CACHE_DTYPE"] == "auto"
 
 
 def test_every_container_is_locked_down() -> None:
@@ -173,6 +174,8 @@ def test_helm_test_pod_runs_the_smoke_check() -> None:
         ("autoscaling.decode.kind=vpa", "kind"),
         ("decode.engine.kvCacheMemory=lots", "kvCacheMemory"),
         ("planner.enabled=true,autoscaling.decode.enabled=true", "enable one of them"),
+        ("decode.engine.kvCacheDtype=fp16", "kvCacheDtype"),
+        ("decode.engine.kvCacheDtype=fp8", "give both the same"),
     ],
 )
 def test_bad_values_are_refused(override: str, words: str) -> None:

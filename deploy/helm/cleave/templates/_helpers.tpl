@@ -70,6 +70,10 @@ read by the same configuration layer as the command-line flags.
 {{/* Worker env: call with (dict "root" $ "pool" $.Values.decode "role" "decode"). */}}
 {{- define "cleave.workerEnv" -}}
 {{- $e := .pool.engine -}}
+{{- $v := .root.Values -}}
+{{- if and $v.prefill.enabled $v.decode.enabled (ne $v.prefill.engine.kvCacheDtype $v.decode.engine.kvCacheDtype) -}}
+{{- fail "prefill.engine.kvCacheDtype and decode.engine.kvCacheDtype differ: the decode pool reads the prefill pool's KV blocks as they are, so give both the same" -}}
+{{- end -}}
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
 - name: POD_NAME
@@ -87,6 +91,8 @@ read by the same configuration layer as the command-line flags.
   value: {{ .pool.device | quote }}
 - name: CLEAVE_DTYPE
   value: {{ $e.dtype | quote }}
+- name: CLEAVE_KV_CACHE_DTYPE
+  value: {{ $e.kvCacheDtype | quote }}
 - name: CLEAVE_BLOCK_SIZE
   value: {{ $e.blockSize | quote }}
 - name: CLEAVE_KV_CACHE_MEMORY
