@@ -60,9 +60,10 @@ typedef uint8_t kv_t;
 #define FP8_MAX_CODE 0x7Bu /* 57344 */
 #endif
 
-static inline float kv_float(uint8_t x) {
+/* A code's value, computed: exact in float32 (a subnormal is m units of 2^(1 - bias - mantissa bits)). */
+static inline float kv_fp8_value(uint8_t x) {
     const uint32_t sign = (uint32_t)(x & 0x80u) << 24, e = (x & 0x7Fu) >> FP8_MANT, m = x & ((1u << FP8_MANT) - 1);
-    if (e == 0) { /* subnormal: m units of 2^(1 - bias - mantissa bits), exact in float32 */
+    if (e == 0) {
         const float v = (float)m * kv_bits_float((uint32_t)(127 + 1 - FP8_BIAS - FP8_MANT) << 23);
         uint32_t bits;
         memcpy(&bits, &v, sizeof bits);
@@ -71,25 +72,32 @@ static inline float kv_float(uint8_t x) {
     return kv_bits_float(sign | (e + 127 - FP8_BIAS) << 23 | m << (23 - FP8_MANT));
 }
 
+/* Every code's value, filled as the library loads (the scalar paths, such as the prefill kernel's transposed keys,
+ * read a code with one load). */
+static float kv_fp8_values[256];
+__attribute__((constructor)) static void kv_fp8_fill(void) {
+    for (int i = 0; i < 256; i++) kv_fp8_values[i] = kv_fp8_value((uint8_t)i);
+}
+
+static inline float kv_float(uint8_t x) { return kv_fp8_values[x]; }
+
 /* Round to nearest even (ties to the even code), saturating at +-FP8_MAX_CODE: for every finite float the code
- * torch's float32 -> float8 conversion gives after a clamp to the format's range (no NaNs reach the cache). */
+ * torch's float32 -> float8 conversion gives after a clamp to the format's range (no NaNs reach the cache).
+ * Without branches, so that the KV write's loop over a row vectorizes. */
 static inline uint8_t kv_from_float(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
     const uint32_t sign = (bits >> 24) & 0x80u, e = (bits >> 23) & 0xFFu, mant = bits & 0x7FFFFFu;
-    uint32_t code, rest, half;
-    if (e >= 128 - FP8_BIAS) { /* a normal float8 (or beyond the range) */
-        if (e - (127 - FP8_BIAS) >= (1u << (7 - FP8_MANT))) return (uint8_t)(sign | FP8_MAX_CODE);
-        code = (e - (127 - FP8_BIAS)) << FP8_MANT | mant >> (23 - FP8_MANT);
-        rest = mant & ((1u << (23 - FP8_MANT)) - 1);
-        half = 1u << (22 - FP8_MANT);
-    } else { /* a subnormal float8, or zero: the value in units of the smallest subnormal, rounded */
-        const uint32_t shift = 151 - FP8_BIAS - FP8_MANT - e, full = e ? mant | 0x800000u : mant;
-        if (shift >= 25) return (uint8_t)sign; /* below half the smallest subnormal (float32 subnormals too) */
-        code = full >> shift;
-        rest = full & ((1u << shift) - 1);
-        half = 1u << (shift - 1);
-    }
+    const int normal = e >= 128 - FP8_BIAS;
+    /* normal (or beyond the range, which the final minimum saturates): the top mantissa bits under the exponent */
+    const uint32_t n_code = (e - (127 - FP8_BIAS)) << FP8_MANT | mant >> (23 - FP8_MANT);
+    const uint32_t n_rest = mant & ((1u << (23 - FP8_MANT)) - 1);
+    /* subnormal, or zero: the value in units of the smallest subnormal; from a shift of 25 on, below half of one */
+    const uint32_t full = e ? mant | 0x800000u : mant;
+    const uint32_t shift = normal ? 25u : (151 - FP8_BIAS - FP8_MANT - e < 25u ? 151 - FP8_BIAS - FP8_MANT - e : 25u);
+    const uint32_t s_code = full >> shift, s_rest = full & ((1u << shift) - 1);
+    uint32_t code = normal ? n_code : s_code;
+    const uint32_t rest = normal ? n_rest : s_rest, half = normal ? 1u << (22 - FP8_MANT) : 1u << (shift - 1);
     code += rest > half || (rest == half && (code & 1u));
     return (uint8_t)(sign | (code > FP8_MAX_CODE ? FP8_MAX_CODE : code));
 }
