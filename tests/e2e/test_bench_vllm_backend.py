@@ -12,6 +12,8 @@ import json
 import stat
 import sys
 
+import pytest
+
 from tests.e2e.test_cli import cleave, expected_output_tokens
 from tests.integration.cluster import ROOT
 
@@ -27,16 +29,18 @@ class SamplingParams:
 
 class LLM:
     def __init__(self, model, dtype, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, max_model_len,
-                 skip_tokenizer_init, seed):
+                 kv_cache_dtype, skip_tokenizer_init, seed):
+        assert kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's names
         self.llm = _LLM(model=model, dtype=dtype, kv_cache_memory=16 << 20, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens)
+                        max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
 
     def generate(self, prompts, params, use_tqdm):
         return self.llm.generate([p["prompt_token_ids"] for p in prompts], [p.params for p in params])
 """
 
 
-def test_vllm_backend_reports_the_same_digest_as_cleave(checkpoint_factory, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "fp8"])  # float32 reaches vLLM as its "auto"
+def test_vllm_backend_reports_the_same_digest_as_cleave(checkpoint_factory, tmp_path, kv_cache_dtype):
     fake = tmp_path / "site" / "vllm"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM)
@@ -48,7 +52,8 @@ def test_vllm_backend_reports_the_same_digest_as_cleave(checkpoint_factory, tmp_
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
     model_dir = str(checkpoint_factory("llama"))
     common = ["bench", "throughput", "--model", model_dir, "--num-prompts", "6", "--prompt-len", "8", "24",
-              "--output-len", "4", "12", "--dtype", "float32", "--kv-cache-memory", "16MiB"]  # fmt: skip
+              "--output-len", "4", "12", "--dtype", "float32", "--kv-cache-memory", "16MiB",
+              "--kv-cache-dtype", kv_cache_dtype]  # fmt: skip
     reports = {}
     for backend in ("cleave", "vllm"):
         done = cleave(*common, "--backend", backend, "--vllm-python", str(python))

@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const kv_t *p) {
 #endif
 
 #elif KV_KIND == 2 || KV_KIND == 3
-/* float8: a sign, FP8_EXP exponent bits of bias FP8_BIAS, FP8_MANT mantissa bits; subnormals, no infinities
+/* float8: a sign, 4 (e4m3) or 5 (e5m2) exponent bits of bias FP8_BIAS, FP8_MANT mantissa bits; subnormals, no infinities
  * written (e4m3fn has none; e5m2's are never stored, as nothing beyond FP8_MAX_CODE is). */
 typedef uint8_t kv_t;
 #if KV_KIND == 2
