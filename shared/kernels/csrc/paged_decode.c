@@ -117,10 +117,53 @@ static inline void score_rows(const float *q, const float *k, int64_t row_stride
 }
 
 #if KV_KIND != 0
-/* score_rows over n <= 16 bfloat16 or float8 keys: widened once into a float32 tile (in L1) that every head of the group
- * reads, rather than widened again for each head. */
+/* score_rows over 16 bfloat16 or float8 keys for a group of G <= 3 heads: each key's 16 values widened once, into
+ * a register that every head's FMA reads (8 keys x G heads of sums stay in registers). Against widening the keys
+ * into a float32 tile that each head then reads (the fallback below), six layers of 64 sequences x 256 tokens with
+ * their cache in L3: e5m2 1.5-1.8 against 1.8-3.0 ms, bfloat16 1.65-1.9 against 1.8-2.2 (AVX-512 Zen 4). */
+static inline __attribute__((always_inline)) void score_keys_group(const int G, const float *q, const kv_t *k,
+                                                                    int64_t row_stride, int head_dim, float scale,
+                                                                    float *scores, int64_t seq_len, int t0) {
+    __m512 p[3][16];
+    const int nd = head_dim / 16;
+    for (int h = 0; h < 16; h += 8) {
+        __m512 acc[3][8];
+#pragma GCC unroll 3
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) acc[g][t] = _mm512_setzero_ps();
+        for (int c = 0; c < nd; c++) {
+            __m512 qv[3];
+#pragma GCC unroll 3
+            for (int g = 0; g < G; g++) qv[g] = _mm512_loadu_ps(q + (int64_t)g * head_dim + 16 * c);
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const __m512 kv = kv_load16(k + (int64_t)(h + t) * row_stride + 16 * c);
+#pragma GCC unroll 3
+                for (int g = 0; g < G; g++) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
+            }
+        }
+#pragma GCC unroll 3
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) p[g][h + t] = acc[g][t];
+    }
+    for (int g = 0; g < G; g++)
+        _mm512_storeu_ps(scores + (int64_t)g * seq_len + t0, _mm512_mul_ps(sum16(p[g]), _mm512_set1_ps(scale)));
+}
+
 static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride, int n, int group, int head_dim,
                               float scale, float *scores, int64_t seq_len, int t0) {
+    if (n == 16 && group <= 3) {
+        if (group == 3)
+            score_keys_group(3, q, k, row_stride, head_dim, scale, scores, seq_len, t0);
+        else if (group == 2)
+            score_keys_group(2, q, k, row_stride, head_dim, scale, scores, seq_len, t0);
+        else
+            score_keys_group(1, q, k, row_stride, head_dim, scale, scores, seq_len, t0);
+        return;
+    }
+    /* Otherwise widened once into a float32 tile (in L1) that every head of the group reads. */
     float tile[16 * MAX_HEAD_DIM] __attribute__((aligned(64)));
     for (int t = 0; t < n; t++)
         for (int c = 0; c < head_dim; c += 16)
