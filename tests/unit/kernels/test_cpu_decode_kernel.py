@@ -77,3 +77,24 @@ def test_decode_rows_do_not_depend_on_the_batch(block_size, group, head_dim, kv_
     mixed = cpu_kernels.paged_prefill(query, k_cache, v_cache, meta.block_tables, starts,
                                       torch.tensor(seq_lens, dtype=torch.int32), 0.3)  # fmt: skip
     assert mixed is not None and torch.equal(mixed, whole)
+
+
+@pytest.mark.parametrize("head_dim", [64, 8])  # the vector path, and the scalar one (a table of the 256 codes)
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_code_widens_exactly(kv_dtype, head_dim):
+    """A context of one token attends to it alone (weight exactly 1): the output is its value row widened, which
+    for every finite code must be torch's own widening, bit for bit (subnormals and both signs included)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[torch.isfinite(codes.view(kv_dtype).float())]
+    codes = torch.cat([codes, codes[: (-codes.numel()) % head_dim]])  # whole rows
+    rows = codes.view(-1, head_dim)  # one sequence per row of codes, one block each
+    num_seqs = rows.shape[0]
+    kv_cache = torch.zeros(num_seqs, 1, 2, 4, 1, head_dim, dtype=torch.uint8)
+    kv_cache[:, 0, 1, 0, 0] = rows  # each block's first value row
+    kv_cache = kv_cache.view(kv_dtype)
+    meta, _ = build_metadata([SeqChunk([i], 0, 1) for i in range(num_seqs)], 4)
+    query = torch.randn(num_seqs, 2, head_dim, generator=torch.Generator().manual_seed(0))
+    out = cpu_kernels.paged_decode(query, kv_cache[:, 0, 0], kv_cache[:, 0, 1], meta.block_tables, [1] * num_seqs, 0.3)
+    assert out is not None
+    expected = rows.view(kv_dtype).float()  # [num_seqs, head_dim]
+    assert torch.equal(out[:, 0], expected) and torch.equal(out[:, 1], expected)
