@@ -105,7 +105,6 @@ def resolve_kv_dtype(name: str, dtype_flag: str, dtype_name: str, checkpoint_dty
     Decided by the checkpoint and the flags alone, as the dtype is: a prefill and a decode worker must agree. On
     CUDA the cache must be the model's dtype (the Triton kernels read it as the queries' dtype). A float8 name
     (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) becomes torch's (``float8_e4m3fn``, ``float8_e5m2``)."""
-    name = FP8_KV_CACHE_DTYPES.get(name, name)
     if name == "auto":
         if device.type == "cpu" and dtype_flag == "auto" and checkpoint_dtype == "bfloat16" and dtype_name == "float32":
             return "bfloat16"
@@ -113,8 +112,9 @@ def resolve_kv_dtype(name: str, dtype_flag: str, dtype_name: str, checkpoint_dty
     if device.type == "cuda" and name != dtype_name:
         raise ValueError(
             f"--kv-cache-dtype {name} with a {dtype_name} model: on CUDA the KV cache is the model's dtype"
+            + (" (float8 caches run on the CPU only)" if name in FP8_KV_CACHE_DTYPES else "")
         )
-    return name
+    return FP8_KV_CACHE_DTYPES.get(name, name)
 
 
 class EngineCore:

@@ -252,7 +252,7 @@ def test_kv_cache_dtype_rule():
     for name, torch_name in [("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")]:
         assert resolve_kv_dtype(name, "auto", "float32", "float32", cpu) == torch_name
         assert resolve_kv_dtype(name, "auto", "bfloat16", "bfloat16", cpu) == torch_name
-        with pytest.raises(ValueError, match="KV cache is the model's dtype"):
+        with pytest.raises(ValueError, match=f"--kv-cache-dtype {name} with .*float8 caches run on the CPU only"):
             resolve_kv_dtype(name, "auto", "bfloat16", "bfloat16", cuda)
     with pytest.raises(ValueError, match="KV cache is the model's dtype"):
         resolve_kv_dtype("float32", "auto", "bfloat16", "bfloat16", cuda)
