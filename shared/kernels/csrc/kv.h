@@ -114,11 +114,16 @@ static inline uint8_t kv_from_float(float f) {
 #endif
 
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) __m512 kv_load16(const kv_t *p) {
+/* 16 values divided by KV_RAW_SCALE (a power of two: exact), for a caller that multiplies it back into a factor
+ * it applies anyway. */
+#define KV_RAW_SCALE KV_F16_SCALE
+static inline __attribute__((always_inline)) __m512 kv_load16_raw(const kv_t *p) {
     /* sign-extended: a negative code's high byte is all ones, cleared by e4m3's mask below the sign bit */
-    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m512 x = _mm512_cvtph_ps(KV_F16_256(v));
-    return KV_F16_SCALE == 1.f ? x : _mm512_mul_ps(x, _mm512_set1_ps(KV_F16_SCALE));
+    return _mm512_cvtph_ps(KV_F16_256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p))));
+}
+static inline __attribute__((always_inline)) __m512 kv_load16(const kv_t *p) {
+    const __m512 x = kv_load16_raw(p);
+    return KV_RAW_SCALE == 1.f ? x : _mm512_mul_ps(x, _mm512_set1_ps(KV_RAW_SCALE));
 }
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -145,6 +150,11 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const kv_t *p) { r
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) __m256 kv_load8(const kv_t *p) { return _mm256_loadu_ps(p); }
 #endif
+#endif
+
+#if defined(__AVX512F__) && KV_KIND < 2
+#define KV_RAW_SCALE 1.f
+#define kv_load16_raw kv_load16
 #endif
 
 #define KV_LINE ((int)(64 / sizeof(kv_t))) /* elements of one cache line */

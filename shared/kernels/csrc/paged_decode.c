@@ -138,7 +138,7 @@ static inline __attribute__((always_inline)) void score_keys_group(const int G, 
             for (int g = 0; g < G; g++) qv[g] = _mm512_loadu_ps(q + (int64_t)g * head_dim + 16 * c);
 #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) {
-                const __m512 kv = kv_load16(k + (int64_t)(h + t) * row_stride + 16 * c);
+                const __m512 kv = kv_load16_raw(k + (int64_t)(h + t) * row_stride + 16 * c);
 #pragma GCC unroll 3
                 for (int g = 0; g < G; g++) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
             }
@@ -148,8 +148,9 @@ static inline __attribute__((always_inline)) void score_keys_group(const int G, 
 #pragma GCC unroll 8
             for (int t = 0; t < 8; t++) p[g][h + t] = acc[g][t];
     }
-    for (int g = 0; g < G; g++)
-        _mm512_storeu_ps(scores + (int64_t)g * seq_len + t0, _mm512_mul_ps(sum16(p[g]), _mm512_set1_ps(scale)));
+    for (int g = 0; g < G; g++) /* kv.h's raw keys: the scale takes KV_RAW_SCALE back */
+        _mm512_storeu_ps(scores + (int64_t)g * seq_len + t0,
+                         _mm512_mul_ps(sum16(p[g]), _mm512_set1_ps(scale * KV_RAW_SCALE)));
 }
 
 static inline void score_keys(const float *q, const kv_t *k, int64_t row_stride, int n, int group, int head_dim,
@@ -195,8 +196,9 @@ static void weigh_values(const float *scores, const kv_t *v_cache, int64_t block
                 const float *w = scores + (int64_t)g0 * seq_len + b * block_size;
                 for (int i = 0; i < n; i++) {
                     const kv_t *v = base + (int64_t)i * row_stride;
-                    __m512 v0 = kv_load16(v), v1 = kv_load16(v + 16);
-                    __m512 v2 = kv_load16(v + 32), v3 = kv_load16(v + 48);
+                    /* kv.h's raw values: the division by the sums takes KV_RAW_SCALE back */
+                    __m512 v0 = kv_load16_raw(v), v1 = kv_load16_raw(v + 16);
+                    __m512 v2 = kv_load16_raw(v + 32), v3 = kv_load16_raw(v + 48);
                     /* In registers: loaded once, not again as a memory operand of every head's FMA. */
                     __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
 #define CLEAVE_PV(g)                                                           \
@@ -212,7 +214,7 @@ static void weigh_values(const float *scores, const kv_t *v_cache, int64_t block
                 }
             }
             for (int g = 0; g < ng; g++) {
-                const __m512 inv = _mm512_set1_ps(1.f / sums[g0 + g]);
+                const __m512 inv = _mm512_set1_ps(KV_RAW_SCALE / sums[g0 + g]);
                 float *dst = out + (int64_t)(g0 + g) * head_dim + d0;
                 for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[g][c], inv));
             }
