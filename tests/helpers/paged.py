@@ -11,6 +11,10 @@ import torch
 from shared.kernels.metadata import AttentionMetadata
 from shared.models.config import ModelConfig
 
+# The KV cache dtypes the CPU attention kernels are built for (shared/kernels/csrc/kv.h), float8 last.
+FP8_KV_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+KV_DTYPES = [torch.float32, torch.bfloat16, *FP8_KV_DTYPES]
+
 
 @dataclass
 class SeqChunk:

@@ -102,21 +102,21 @@ static inline uint8_t kv_from_float(float f) {
     return (uint8_t)(sign | (code > FP8_MAX_CODE ? FP8_MAX_CODE : code));
 }
 
-/* The codes as float16 bits (exact: float16 has more exponent and mantissa bits), scaled back by KV_F16_SCALE. */
+/* The codes as float16 bits (exact: float16 has more exponent and mantissa bits), which read as the values
+ * divided by KV_RAW_SCALE (a power of two). */
 #if KV_KIND == 2 /* e4m3's seven bits shifted under float16's sign; its bias 7 against float16's 15: times 2^8 */
-#define KV_F16_SCALE 256.f
+#define KV_RAW_SCALE 256.f
 #define KV_F16_256(v) _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16((short)0xBF80))
 #define KV_F16_128(v) _mm_and_si128(_mm_slli_epi16(v, 7), _mm_set1_epi16((short)0xBF80))
 #else /* e5m2 is float16's top byte */
-#define KV_F16_SCALE 1.f
+#define KV_RAW_SCALE 1.f
 #define KV_F16_256(v) _mm256_slli_epi16(v, 8)
 #define KV_F16_128(v) _mm_slli_epi16(v, 8)
 #endif
 
 #if defined(__AVX512F__)
-/* 16 values divided by KV_RAW_SCALE (a power of two: exact), for a caller that multiplies it back into a factor
- * it applies anyway. */
-#define KV_RAW_SCALE KV_F16_SCALE
+/* 16 values divided by KV_RAW_SCALE (exact), for a caller that multiplies it back into a factor it applies
+ * anyway. */
 static inline __attribute__((always_inline)) __m512 kv_load16_raw(const kv_t *p) {
     /* sign-extended: a negative code's high byte is all ones, cleared by e4m3's mask below the sign bit */
     return _mm512_cvtph_ps(KV_F16_256(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p))));
@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const kv_t *p) {
 static inline __attribute__((always_inline)) __m256 kv_load8(const kv_t *p) {
     const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
     const __m256 x = _mm256_cvtph_ps(KV_F16_128(v));
-    return KV_F16_SCALE == 1.f ? x : _mm256_mul_ps(x, _mm256_set1_ps(KV_F16_SCALE));
+    return KV_RAW_SCALE == 1.f ? x : _mm256_mul_ps(x, _mm256_set1_ps(KV_RAW_SCALE));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) __m256 kv_load8(const kv_t *p) {
@@ -152,9 +152,11 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const kv_t *p) { re
 #endif
 #endif
 
-#if defined(__AVX512F__) && KV_KIND < 2
+#if KV_KIND < 2 /* float32 and bfloat16 widen to their values as they are */
 #define KV_RAW_SCALE 1.f
+#if defined(__AVX512F__)
 #define kv_load16_raw kv_load16
+#endif
 #endif
 
 #define KV_LINE ((int)(64 / sizeof(kv_t))) /* elements of one cache line */

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from shared.kernels import cpu_kernels, torch_ref
-from tests.helpers.paged import SeqChunk, build_metadata
+from tests.helpers.paged import FP8_KV_DTYPES, KV_DTYPES, SeqChunk, build_metadata
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _decode_batch(seq_lens, block_size, num_kv_heads, group, head_dim, gen, kv_dtype=torch.float32):
@@ -80,7 +79,7 @@ def test_decode_rows_do_not_depend_on_the_batch(block_size, group, head_dim, kv_
 
 
 @pytest.mark.parametrize("head_dim", [64, 8])  # the vector path, and the scalar one (a table of the 256 codes)
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
 def test_every_float8_code_widens_exactly(kv_dtype, head_dim):
     """A context of one token attends to it alone (weight exactly 1): the output is its value row widened, which
     for every finite code must be torch's own widening, bit for bit (subnormals and both signs included)."""

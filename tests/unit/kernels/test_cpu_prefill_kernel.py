@@ -6,11 +6,9 @@ import pytest
 import torch
 
 from shared.kernels import cpu_kernels, torch_ref
-from tests.helpers.paged import SeqChunk, build_metadata
+from tests.helpers.paged import FP8_KV_DTYPES, KV_DTYPES, SeqChunk, build_metadata
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
-FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _mixed_batch(block_size: int, gen: torch.Generator):
@@ -82,7 +80,7 @@ def test_write_kv_matches_reference(kv_dtype):
     assert ours[:, 0].float().abs().sum() == 0  # the other layer is untouched
 
 
-@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("kv_dtype", FP8_KV_DTYPES)
 def test_write_kv_rounds_to_float8_as_torch_does(kv_dtype):
     """Every kind of float32 into a float8 cache: random bit patterns (every exponent, so overflow, subnormal and
     underflowing values), values near the format's range and rounding ties, bit for bit what torch's conversion
