@@ -46,11 +46,13 @@ PREFILL_BORROW_MAX_REQUESTS = 1
 # found the decode worker idle for less than that, and every prompt ran on one core (a 256-token prompt
 # 114 ms of prefill against 65 ms aggregated).
 PREFILL_LEND_AFTER_REST_S = 0.0
-# See --decode-yield. Off by default: measured against 0 in interleaved runs (README, "Performance"), ratio 1 gave
-# up to 22% lower median TTFT at about the same tok/s under vLLM's client (32 prompts of 256 at once, 64 out), but
-# cost the burst of 64 (outputs of 16-256) 1-8% of its tok/s for 8-21% lower TTFT, and doubled the p99 ITL that
-# the disaggregated shape is for: long outputs started early decode at half speed while the prompts run.
-DECODE_YIELD = 0.0
+# See --decode-yield. The decode worker yields only while the prefill side holds more requests than it runs
+# (CoreShare.yield_after): measured against 0 in interleaved runs (README, "Performance"), ratio 2 cut the median
+# TTFT of the burst of 64 by 22-42% and of vLLM's client (32 prompts of 256 at once) by 8-33%, at -4% to +6%
+# tok/s under the burst, +3% to +16% under the client, and a p99 ITL of 26-56 ms (vLLM's: 250-300). Yielding
+# whenever the prefill side had a queue (the rule before) cost the burst up to 8% of its tok/s: its long outputs
+# decoded at a third of their speed until the last prompt was in.
+DECODE_YIELD = 2.0
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -99,13 +101,14 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--decode-yield", type=flags.parse_non_negative,
                         default=env_default("--decode-yield", str(DECODE_YIELD)),
                         metavar="RATIO",
-                        help="with --core-share, while a prefill worker holds a queue (2 or more requests): a "
-                             "decode worker pauses RATIO times the length of each step after it (at most "
-                             f"{YIELD_MAX_S * 1000:.0f} ms) and lends its CPUs meanwhile, and a prefill worker "
-                             "borrows them, so a burst's prompts are not left to the prefill CPUs alone: lower "
-                             "TTFT under a burst of prompts, at the cost of the decode's inter-token latency. Give "
-                             "both sides the same value (cleave serve passes it to every worker). Default "
-                             f"{DECODE_YIELD:g}: the decode worker steps as often as it can")  # fmt: skip
+                        help="with --core-share, while a prefill worker holds a queue (2 or more requests) of "
+                             "more requests than the decode worker runs: the decode worker pauses RATIO times the "
+                             f"length of each step after it (at most {YIELD_MAX_S * 1000:.0f} ms) and lends its "
+                             "CPUs meanwhile, and a prefill worker borrows them, so a burst's prompts are not left "
+                             "to the prefill CPUs alone: lower TTFT under a burst of prompts, at the cost of some "
+                             "inter-token latency while it lasts. Give both sides the same value (cleave serve "
+                             f"passes it to every worker). Default {DECODE_YIELD:g}; 0: the decode worker steps as "
+                             "often as it can")  # fmt: skip
     return parser
 
 

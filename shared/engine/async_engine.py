@@ -127,7 +127,8 @@ class AsyncEngine:
                 deltas = self.core.step(before_forward=open_state, after_execute=close_state)
                 pending.extend(deltas)
                 share = self.core.core_share
-                if share is not None and (pause := share.yield_after(time.monotonic() - started)) > 0.0:
+                step_s = time.monotonic() - started
+                if share is not None and (pause := share.yield_after(step_s, len(self.core.scheduler.running))) > 0.0:
                     flush()  # the step's tokens go out while this worker's CPUs are lent
                     share.idle()
                     self._pause(pause)

@@ -322,16 +322,23 @@ class CoreShare:
                 self._lib.pool_set_threads(self.own_threads + len(self.lent_cpus) if borrow else 0)
             logger.debug("core_share borrowing=%s cpus=%s", borrow, sorted(self.lent_cpus))
 
-    def backlogged(self) -> bool:
-        """Whether a lender of this process's borrowed CPUs (the other side) computes with a queue."""
-        return any(self._idle_since(i) <= -BACKLOG_REQUESTS for i in self.lender_slots)
+    def backlog(self) -> int:
+        """The most requests a lender of this process's borrowed CPUs (the other side) holds while it computes:
+        its queue; 0 while none computes."""
+        return max([0, *(int(-self._idle_since(i)) for i in self.lender_slots)])
 
-    def yield_after(self, step_s: float) -> float:
-        """How long a yielding lender pauses, idle, after a step of ``step_s``: ``yield_ratio`` times it while
-        the other side has a backlog, at most YIELD_MAX_S; else 0. On a box split between a prefill and a
-        decode worker, a burst's prompts otherwise wait for the prefill worker's CPUs alone while the
-        decode worker steps the first few sequences as fast as its own CPUs allow."""
-        if self.yield_ratio <= 0.0 or self.slot < 0 or not self.backlogged():
+    def yield_after(self, step_s: float, num_running: int = 0) -> float:
+        """How long a yielding lender pauses, idle, after a step of ``step_s``: ``yield_ratio`` times it (at most
+        YIELD_MAX_S) while the other side holds a queue (BACKLOG_REQUESTS or more) of more requests than this
+        engine runs (``num_running``); else 0. On a box split between a prefill and a decode worker, a burst's
+        prompts otherwise wait for the prefill worker's CPUs alone while the decode worker steps its first
+        few sequences as fast as its own CPUs allow, each small step costing about as much as a full one
+        (it reads every weight). Once the decode side runs as many requests as wait for their first token,
+        it steps without pausing: its long outputs are not held back for the rest of the queue."""
+        if self.yield_ratio <= 0.0 or self.slot < 0:
+            return 0.0
+        backlog = self.backlog()
+        if backlog < BACKLOG_REQUESTS or backlog <= num_running:
             return 0.0
         return min(self.yield_ratio * step_s, YIELD_MAX_S)
 

@@ -432,8 +432,11 @@ def test_a_yielding_decode_engine_pauses_after_each_step_while_the_prefill_side_
     yield_after, idle = share.yield_after, share.idle
     lent: list[float] = []
 
-    def recorded_yield_after(step_s: float) -> float:
-        pause = yield_after(step_s)
+    running: list[int] = []  # what the engine said it runs, step by step
+
+    def recorded_yield_after(step_s: float, num_running: int = 0) -> float:
+        running.append(num_running)
+        pause = yield_after(step_s, num_running)
         pauses.append((pause, step_s))
         return pause
 
@@ -454,6 +457,7 @@ def test_a_yielding_decode_engine_pauses_after_each_step_while_the_prefill_side_
         assert asyncio.run(run(0)) == expected
         engine.call(lambda: None).result(timeout=30)  # the last pause has begun (its streams end just before)
         assert len(pauses) >= 6 and all(p == pytest.approx(2.0 * s) and p > 0.0 for p, s in pauses)
+        assert max(running) == len(prompts) and min(running) == 0  # fewer than the prefill side's five
         assert len(lent) >= len(pauses) and all(t > 0.0 for t in lent)  # idle (its CPUs lent) in each pause
         pauses.clear()
         prefill.before_step(num_requests=1)  # the queue is gone

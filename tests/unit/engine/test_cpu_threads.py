@@ -278,6 +278,25 @@ def test_a_decode_lender_yields_its_cpus_while_the_prefill_side_has_a_queue(tmp_
     assert decode.yield_after(0.01) > 0.0 and quiet.yield_after(0.01) == 0.0  # yield_ratio 0: never
 
 
+def test_a_decode_lender_yields_only_while_more_requests_wait_for_a_first_token_than_it_runs(tmp_path):
+    """The decode worker pauses while the prefill side holds more requests than it decodes itself (its small
+    steps cost about as much as full ones); once it runs as many, it steps without pausing, so the long
+    outputs of a burst's first requests are not held back for the rest of the queue."""
+    path = _share_file(tmp_path, 2)
+    prefill = CoreShare(f"{path}:lend:0")
+    decode = CoreShare(f"{path}:lend:1:borrow:0:0", yield_ratio=2.0)
+    prefill.before_step(num_requests=40)
+    assert decode.backlog() == 40
+    assert decode.yield_after(0.01, num_running=1) == pytest.approx(0.02)
+    assert decode.yield_after(0.01, num_running=39) == pytest.approx(0.02)
+    assert decode.yield_after(0.01, num_running=40) == 0.0
+    assert decode.yield_after(0.01, num_running=64) == 0.0
+    prefill.before_step(num_requests=BACKLOG_REQUESTS - 1)  # no queue: never, however few it runs
+    assert decode.yield_after(0.01, num_running=0) == 0.0
+    prefill.idle()
+    assert decode.backlog() == 0 and decode.yield_after(0.01, num_running=0) == 0.0
+
+
 @pytest.mark.parametrize(
     "spec",
     ["{path}:lend", "{path}:share:0", "{path}:lend:5", "{path}:borrow:3:0", "{path}:lend:0:borrow:0-1:2",
