@@ -47,12 +47,13 @@ PREFILL_BORROW_MAX_REQUESTS = 1
 # 114 ms of prefill against 65 ms aggregated).
 PREFILL_LEND_AFTER_REST_S = 0.0
 # See --decode-yield. The decode worker yields only while the prefill side holds more requests than it runs
-# (CoreShare.yield_after): measured against 0 in interleaved runs (README, "Performance"), ratio 2 cut the median
-# TTFT of the burst of 64 by 22-42% and of vLLM's client (32 prompts of 256 at once) by 8-33%, at -4% to +6%
-# tok/s under the burst, +3% to +16% under the client, and a p99 ITL of 26-56 ms (vLLM's: 250-300). Yielding
-# whenever the prefill side had a queue (the rule before) cost the burst up to 8% of its tok/s: its long outputs
-# decoded at a third of their speed until the last prompt was in.
-DECODE_YIELD = 2.0
+# (CoreShare.yield_after): measured against 0 in interleaved runs (README, "Performance"), ratio 4 cut the median
+# TTFT of the burst of 64 by 34-37% and of vLLM's client (32 prompts of 256 at once) by 26-31%, at +2% to +4%
+# tok/s under the burst, +11% to +24% under the client, and a p99 ITL of 45-72 ms (vLLM's: 256-324); ratio 2
+# cut TTFT 10-30% less for a p99 ITL of 28-56 ms, ratio 6 a little more for 54-85 ms. Yielding whenever the
+# prefill side had a queue (the rule before) cost the burst up to 8% of its tok/s: its long outputs decoded at a
+# fraction of their speed until the last prompt was in.
+DECODE_YIELD = 4.0
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
