@@ -188,14 +188,18 @@ class ThreadGovernor:
 # a burst a prefill worker idles for moments (its next request is on its way), and a borrower's helper
 # there only slowed the next prefill step (median TTFT 3-8% higher in five of six bursts without it).
 LEND_AFTER_S = 0.1
-# Per lender: minus the requests its engine holds while it computes (0.0 before its first step), else the
-# CLOCK_MONOTONIC time it went idle. The pool (csrc/pool.c) reads "<= 0.0" as "computes".
+# Per lender: minus the requests its engine holds while it computes, less its step count modulo 16 in 32nds
+# (0.0 before its first step), else the CLOCK_MONOTONIC time it went idle. The pool (csrc/pool.c) reads "<= 0.0"
+# as "computes".
 SLOT = struct.Struct("d")
 # A prefill side holding this many requests has a queue: the prompts of a burst wait for its CPUs, while the
 # decode side steps a few sequences at a time on its own (see CoreShare.yield_after).
 BACKLOG_REQUESTS = 2
 # The longest pause a decode worker takes after one step for a prefill backlog, whatever its step took.
 YIELD_MAX_S = 0.1
+# A prefill side whose slot has not changed for this long (no step begun: stopped, wedged, or in one very long
+# step) gets no more yielding: the decode side steps at its own pace until the slot moves again.
+STALLED_AFTER_S = 5.0
 
 
 class CoreShare:
@@ -265,6 +269,8 @@ class CoreShare:
         # parallel loop to the next, without waiting LEND_AFTER_S (they yield to it, see yield_after).
         self.borrow_in_backlog = borrow_in_backlog
         self._rested = False  # the current spell of work began after such a rest
+        self._steps = 0  # a lender's steps so far (see before_step)
+        self._seen: tuple[list[float], float] = ([], 0.0)  # the lenders' slots as last read, and since when
         self.borrowing = False
         self.changes = 0
         self._clock = clock
@@ -306,7 +312,10 @@ class CoreShare:
                 idle_since = self._idle_since(self.slot)
                 self._rested = idle_since > 0.0 and self._clock() - idle_since >= LEND_AFTER_S
                 self.busy = True
-            self._mark(-float(num_requests))  # computing, and how much it holds (see backlogged)
+            # Computing, how much it holds (see backlog), and its step count modulo 16 in 32nds: the value
+            # changes at each step, which a yielding lender reads as progress (see yield_after).
+            self._mark(-float(num_requests) - (self._steps % 16) / 32)
+            self._steps += 1
         if not self.lender_slots:
             return
         few = self.borrow_max_requests is None or num_requests <= self.borrow_max_requests
@@ -324,7 +333,7 @@ class CoreShare:
 
     def backlog(self) -> int:
         """The most requests a lender of this process's borrowed CPUs (the other side) holds while it computes:
-        its queue; 0 while none computes."""
+        its queue; 0 while none computes (a slot's fraction counts its steps, see before_step)."""
         return max([0, *(int(-self._idle_since(i)) for i in self.lender_slots)])
 
     def yield_after(self, step_s: float, num_running: int = 0) -> float:
@@ -340,6 +349,11 @@ class CoreShare:
         backlog = self.backlog()
         if backlog < BACKLOG_REQUESTS or backlog <= num_running:
             return 0.0
+        slots, now = [self._idle_since(i) for i in self.lender_slots], self._clock()
+        if slots != self._seen[0]:
+            self._seen = (slots, now)
+        elif now - self._seen[1] >= STALLED_AFTER_S:
+            return 0.0  # the other side has not stepped for that long: stopped or wedged, nothing to lend to
         return min(self.yield_ratio * step_s, YIELD_MAX_S)
 
     def idle(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 from shared.engine.cpu_threads import (
     BACKLOG_REQUESTS,
     LEND_AFTER_S,
+    STALLED_AFTER_S,
     YIELD_MAX_S,
     CoreShare,
     ThreadGovernor,
@@ -295,6 +296,30 @@ def test_a_decode_lender_yields_only_while_more_requests_wait_for_a_first_token_
     assert decode.yield_after(0.01, num_running=0) == 0.0
     prefill.idle()
     assert decode.backlog() == 0 and decode.yield_after(0.01, num_running=0) == 0.0
+
+
+def test_a_decode_lender_stops_yielding_to_a_prefill_side_that_no_longer_steps(tmp_path):
+    """A prefill worker stopped (SIGSTOP) or wedged with a queue leaves its slot as it was: after
+    STALLED_AFTER_S without a step begun, the decode worker steps at its own pace again (it would otherwise
+    decode at a fraction of its speed until the router gave up on the prefill); a step of the prefill worker,
+    even with as many requests as before, makes it yield again."""
+    path = _share_file(tmp_path, 2)
+    now = [100.0]
+    prefill = CoreShare(f"{path}:lend:0", clock=lambda: now[0])
+    decode = CoreShare(f"{path}:lend:1:borrow:0:0", clock=lambda: now[0], yield_ratio=2.0)
+    prefill.before_step(num_requests=8)
+    assert decode.yield_after(0.01, num_running=2) == pytest.approx(0.02)
+    now[0] += STALLED_AFTER_S - 0.1
+    assert decode.yield_after(0.01, num_running=2) == pytest.approx(0.02)
+    now[0] += 0.1
+    assert decode.yield_after(0.01, num_running=2) == 0.0  # no step begun for STALLED_AFTER_S
+    prefill.before_step(num_requests=8)  # the same queue, one step on
+    assert decode.backlog() == 8 and decode.yield_after(0.01, num_running=2) == pytest.approx(0.02)
+    prefill.before_step(num_requests=8)
+    now[0] += STALLED_AFTER_S
+    assert decode.yield_after(0.01, num_running=2) == pytest.approx(0.02)  # moved since the last read
+    now[0] += STALLED_AFTER_S
+    assert decode.yield_after(0.01, num_running=2) == 0.0
 
 
 @pytest.mark.parametrize(
