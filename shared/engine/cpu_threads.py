@@ -331,10 +331,13 @@ class CoreShare:
                 self._lib.pool_set_threads(self.own_threads + len(self.lent_cpus) if borrow else 0)
             logger.debug("core_share borrowing=%s cpus=%s", borrow, sorted(self.lent_cpus))
 
-    def backlog(self) -> int:
+    def backlog(self, slots: list[float] | None = None) -> int:
         """The most requests a lender of this process's borrowed CPUs (the other side) holds while it computes:
-        its queue; 0 while none computes (a slot's fraction counts its steps, see before_step)."""
-        return max([0, *(int(-self._idle_since(i)) for i in self.lender_slots)])
+        its queue; 0 while none computes (a slot's fraction counts its steps, see before_step). ``slots``: the
+        lenders' slots as just read (read here if None)."""
+        if slots is None:
+            slots = [self._idle_since(i) for i in self.lender_slots]
+        return max([0, *(int(-value) for value in slots)])
 
     def yield_after(self, step_s: float, num_running: int = 0) -> float:
         """How long a yielding lender pauses, idle, after a step of ``step_s``: ``yield_ratio`` times it (at most
@@ -346,10 +349,11 @@ class CoreShare:
         it steps without pausing: its long outputs are not held back for the rest of the queue."""
         if self.yield_ratio <= 0.0 or self.slot < 0:
             return 0.0
-        backlog = self.backlog()
+        slots = [self._idle_since(i) for i in self.lender_slots]
+        backlog = self.backlog(slots)
         if backlog < BACKLOG_REQUESTS or backlog <= num_running:
             return 0.0
-        slots, now = [self._idle_since(i) for i in self.lender_slots], self._clock()
+        now = self._clock()
         if slots != self._seen[0]:
             self._seen = (slots, now)
         elif now - self._seen[1] >= STALLED_AFTER_S:
