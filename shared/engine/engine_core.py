@@ -133,9 +133,10 @@ class EngineCore:
                         config.dtype)  # fmt: skip
         self.model, self.model_config = load_model(config.model, self.dtype_name, self.device)
         if self.device.type == "cpu" and checkpoint.torch_dtype == "bfloat16" and self.dtype_name == "float32":
-            # Its projections may run on AMX, which rounds their inputs to bfloat16 as the checkpoint's own
-            # dtype would (cpu_kernels.amx_weight); the rest stays float32.
+            # Its projections may run on AMX or AVX512-BF16, which round their inputs to bfloat16 as the
+            # checkpoint's own dtype would (cpu_kernels.amx_weight), from half the bytes; the rest stays float32.
             cpu_kernels.mark_bfloat16_values(self.model.projection_weights())
+            logger.info("bfloat16 checkpoint: projections on %s", cpu_kernels.amx_unit() or "the float32 kernel")
         self.kv_dtype_name = resolve_kv_dtype(config.kv_cache_dtype, config.dtype, self.dtype_name,
                                               checkpoint.torch_dtype, self.device)  # fmt: skip
         kv_dtype = torch_dtype(self.kv_dtype_name)

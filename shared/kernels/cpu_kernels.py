@@ -176,12 +176,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.linear_f32_pack.restype = None
         lib.linear_f32_packed.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_f32_packed.restype = None
-    if hasattr(lib, "linear_amx"):  # bfloat16-valued weights on AMX (csrc/amx.c)
+    if hasattr(lib, "linear_amx"):  # bfloat16-valued weights on AMX or AVX512-BF16 (csrc/amx.c)
         lib.linear_amx_available.argtypes = []
         lib.linear_amx_available.restype = ctypes.c_int
+    if hasattr(lib, "linear_amx_tiles"):
+        lib.linear_amx_tiles.argtypes = []
+        lib.linear_amx_tiles.restype = ctypes.c_int
         lib.linear_amx.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_amx.restype = ctypes.c_int
-    if hasattr(lib, "linear_amx_pack"):  # built with AMX
+    if hasattr(lib, "linear_amx_pack"):  # built with AVX512-BF16
         lib.linear_amx_packed_elems.argtypes = [i32, i32]
         lib.linear_amx_packed_elems.restype = i64
         lib.linear_amx_pack.argtypes = [ptr, i32, i32, ptr]
@@ -599,23 +602,36 @@ _amx: bool | None = None
 
 
 def amx() -> bool:
-    """Whether projections of bfloat16-valued weights run on AMX (``csrc/amx.c``): built with it, granted by
-    the kernel, and not turned off with ``CLEAVE_CPU_AMX=0``. Checked once per process."""
+    """Whether projections of bfloat16-valued weights run on their bfloat16 copy (``csrc/amx.c``): on AMX
+    where the CPU has it and the kernel grants it, else on AVX512-BF16's dot products (built with it), and
+    not turned off with ``CLEAVE_CPU_AMX=0``. Checked once per process."""
     global _amx
     if _amx is None:
         _amx = _kernel_runs("linear_amx", "CLEAVE_CPU_AMX", "0")
     return _amx
 
 
+def amx_unit() -> str | None:
+    """What runs ``amx``'s projections: ``"amx"`` (the tile unit) or ``"avx512_bf16"`` (vector dot products);
+    None where they stay on the float32 kernel."""
+    if not amx():
+        return None
+    lib = load()
+    assert lib is not None
+    return "amx" if lib.linear_amx_tiles() else "avx512_bf16"
+
+
 def mark_bfloat16_values(weights: list[torch.Tensor]) -> None:
     """Say that these float32 weights hold bfloat16 values (a bfloat16 checkpoint loaded in float32): their
-    projections may then run on AMX, which rounds the activations to bfloat16 as a bfloat16 model does."""
+    projections may then run on AMX or AVX512-BF16 (``amx``), which round the activations to bfloat16 as a
+    bfloat16 model does."""
     for weight in weights:
         setattr(weight, BF16_ATTR, True)
 
 
 def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The AMX copy of a bfloat16-valued float32 CPU ``weight`` [N, K] (half its bytes), made on first use
+    """The bfloat16 copy of a bfloat16-valued float32 CPU ``weight`` [N, K] (half its bytes) that AMX and
+    AVX512-BF16 read (``amx``), made on first use
     and kept on the tensor (made again once it is written in place); None where AMX does not apply, or where
     the copy would not fit in ``PACK_MEMORY_SHARE`` (as for ``packed_weight``)."""
     if not getattr(weight, BF16_ATTR, False) or not amx():
@@ -635,8 +651,8 @@ def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def kernel_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(AMX copy, packed float32 copy) of a projection's weight, at most one of them, made on first use: the
-    AMX one where it applies (``amx_weight``), else the packed one (``packed_weight``); neither: the weight as
+    """(bfloat16 copy, packed float32 copy) of a projection's weight, at most one of them, made on first use:
+    the bfloat16 one where it applies (``amx_weight``), else the packed one (``packed_weight``); neither: the weight as
     it is. The module path (``linear``) and the one-call forward (``CpuStack``) both choose here."""
     tiles = amx_weight(weight)
     return (tiles, None) if tiles is not None else (None, packed_weight(weight))

@@ -1,7 +1,10 @@
 /*
- * A linear layer's product y[M, N] = x[M, K] . w[N, K]^T on AMX, for weights that are bfloat16 values
- * (a bfloat16 checkpoint computed in float32): x's rows are rounded to bfloat16 (as a bfloat16 model's
- * activations are), the products are summed in float32 by the tile unit, and y is float32.
+ * A linear layer's product y[M, N] = x[M, K] . w[N, K]^T from a bfloat16 copy of weights that are bfloat16
+ * values (a bfloat16 checkpoint computed in float32): x's rows are rounded to bfloat16 (as a bfloat16
+ * model's activations are), the products are summed in float32, and y is float32. On AMX where the CPU has
+ * it and the kernel grants it (the tile unit), else with AVX512-BF16's pairwise dot products (Zen 4, Cooper
+ * Lake): either way the weights are read at half their float32 bytes, and each instruction does twice the
+ * multiply-adds of a float32 FMA.
  *
  * The weights are packed once (linear_amx_pack): per 16 output columns and 32 values of k, one B tile of
  * 16 rows x 64 bytes, row r holding the pairs (w[n][k0 + 2r], w[n][k0 + 2r + 1]) of its 16 columns (the
@@ -19,10 +22,13 @@
 
 #include "pool.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define WITH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -31,13 +37,23 @@
 
 static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
-/* 1 where the kernel runs: built with AMX, and the kernel grants this process the tile state (Linux
+/* 1 where the tile unit runs: built with AMX, and the kernel grants this process the tile state (Linux
  * asks each process to request it before its first tile instruction). */
-int linear_amx_available(void) {
+static int tiles_granted(void) {
+#if defined(WITH_AMX)
     static int state = -1;
     if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return state;
+#else
+    return 0;
+#endif
 }
+
+/* 1: built with AVX512-BF16, so linear_amx runs (on the tile unit where tiles_granted, else on vectors). */
+int linear_amx_available(void) { return 1; }
+
+/* 1 where linear_amx runs on the tile unit, 0 on vectors. */
+int linear_amx_tiles(void) { return tiles_granted(); }
 
 /* uint16 elements of the packed copy of a [n, k] weight. */
 int64_t linear_amx_packed_elems(int n, int k) { return round_up(n, 2 * TILE_N) * round_up(k, TILE_K); }
@@ -62,6 +78,14 @@ void linear_amx_pack(const float *w, int n, int k, uint16_t *packed) {
         }
 }
 
+typedef struct {
+    const uint16_t *xb, *packed;
+    float *y;
+    int64_t ldy, kp;
+    int m, n;
+} AmxArgs;
+
+#if defined(WITH_AMX)
 typedef struct __attribute__((packed)) {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
@@ -78,13 +102,6 @@ static void load_tile_config(void) {
     }
     _tile_loadconfig(&cfg);
 }
-
-typedef struct {
-    const uint16_t *xb, *packed;
-    float *y;
-    int64_t ldy, kp;
-    int m, n;
-} AmxArgs;
 
 /* y's rows [m0, m0 + 16) x columns [n0, n0 + 16 * tiles) from C tiles 0 .. tiles - 1 (tiles 2 and 3, if
  * any, the next 16 rows): a tile that lies wholly inside y is stored there directly, the rest through
@@ -173,6 +190,98 @@ static void amx_pairs(void *p, int64_t p0, int64_t p1) {
     _tile_release();
 }
 
+#endif /* WITH_AMX */
+
+#define DP_ROWS 6        /* a tile's rows: 6 x 4 sums + 4 weight vectors + 1 broadcast <= 32 registers */
+#define DP_BLOCK_TILES 4 /* column tiles of 16 per block: 64 columns */
+
+/* y[r][c] for r < rows <= R, c < cols (<= 16 * tiles, tiles <= 4) from the column tiles at b, tile_elems
+ * apart, over every pair of k (kp / 2); missing rows repeat the last real one (not stored). */
+static inline __attribute__((always_inline)) void dp_tile(const int R, const uint16_t *xb, int64_t kp,
+                                                          const uint16_t *b, int64_t tile_elems, int tiles,
+                                                          float *y, int64_t ldy, int rows, int cols) {
+    const uint32_t *xr[DP_ROWS]; /* a row's pairs of k as 32-bit words, one broadcast each */
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(xb + (int64_t)(r < rows ? r : rows - 1) * kp);
+    const uint16_t *bt[DP_BLOCK_TILES];
+#pragma GCC unroll 4
+    for (int t = 0; t < DP_BLOCK_TILES; t++) bt[t] = b + (t < tiles ? t : tiles - 1) * tile_elems;
+    __m512 acc[DP_ROWS][DP_BLOCK_TILES];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < DP_BLOCK_TILES; t++) acc[r][t] = _mm512_setzero_ps();
+    const int64_t pairs = kp / 2;
+    for (int64_t j = 0; j < pairs; j++) {
+        __m512bh w[DP_BLOCK_TILES];
+#pragma GCC unroll 4
+        for (int t = 0; t < DP_BLOCK_TILES; t++) w[t] = (__m512bh)_mm512_load_si512((const void *)(bt[t] + j * 32));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][j]);
+#pragma GCC unroll 4
+            for (int t = 0; t < DP_BLOCK_TILES; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, w[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        if (r >= rows) break;
+#pragma GCC unroll 4
+        for (int t = 0; t < DP_BLOCK_TILES; t++) {
+            const int left = cols - 16 * t;
+            if (left <= 0) break;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+            _mm512_mask_storeu_ps(y + (int64_t)r * ldy + 16 * t, mask, acc[r][t]);
+        }
+    }
+}
+
+static void dp_tile_6(const uint16_t *xb, int64_t kp, const uint16_t *b, int64_t tile_elems, int tiles, float *y,
+                      int64_t ldy, int rows, int cols) {
+    dp_tile(DP_ROWS, xb, kp, b, tile_elems, tiles, y, ldy, rows, cols);
+}
+static void dp_tile_4(const uint16_t *xb, int64_t kp, const uint16_t *b, int64_t tile_elems, int tiles, float *y,
+                      int64_t ldy, int rows, int cols) {
+    dp_tile(4, xb, kp, b, tile_elems, tiles, y, ldy, rows, cols);
+}
+static void dp_tile_2(const uint16_t *xb, int64_t kp, const uint16_t *b, int64_t tile_elems, int tiles, float *y,
+                      int64_t ldy, int rows, int cols) {
+    dp_tile(2, xb, kp, b, tile_elems, tiles, y, ldy, rows, cols);
+}
+static void dp_tile_1(const uint16_t *xb, int64_t kp, const uint16_t *b, int64_t tile_elems, int tiles, float *y,
+                      int64_t ldy, int rows, int cols) {
+    dp_tile(1, xb, kp, b, tile_elems, tiles, y, ldy, rows, cols);
+}
+
+/* Column blocks [b0, b1), every row: tiles of DP_ROWS rows, then the last 1-5 rows in one tile of 6, 4, 2
+ * or 1 rows (where it has more rows than are left, one repeats: not stored). */
+static void dp_blocks(void *p, int64_t b0, int64_t b1) {
+    const AmxArgs *a = p;
+    const int64_t tile_elems = a->kp * TILE_N, column_tiles = round_up(a->n, 2 * TILE_N) / TILE_N;
+    for (int64_t blk = b0; blk < b1; blk++) {
+        const int64_t t0 = blk * DP_BLOCK_TILES;
+        const int tiles = column_tiles - t0 < DP_BLOCK_TILES ? (int)(column_tiles - t0) : DP_BLOCK_TILES;
+        const int n0 = (int)(t0 * TILE_N), cols = a->n - n0 < 16 * tiles ? a->n - n0 : 16 * tiles;
+        const uint16_t *b = a->packed + t0 * tile_elems;
+        int r0 = 0;
+        for (; r0 + DP_ROWS <= a->m; r0 += DP_ROWS)
+            dp_tile_6(a->xb + (int64_t)r0 * a->kp, a->kp, b, tile_elems, tiles, a->y + (int64_t)r0 * a->ldy + n0,
+                      a->ldy, DP_ROWS, cols);
+        const int left = a->m - r0;
+        if (left == 0) continue;
+        float *y = a->y + (int64_t)r0 * a->ldy + n0;
+        const uint16_t *x = a->xb + (int64_t)r0 * a->kp;
+        if (left > 4)
+            dp_tile_6(x, a->kp, b, tile_elems, tiles, y, a->ldy, left, cols);
+        else if (left > 2)
+            dp_tile_4(x, a->kp, b, tile_elems, tiles, y, a->ldy, left, cols);
+        else if (left == 2)
+            dp_tile_2(x, a->kp, b, tile_elems, tiles, y, a->ldy, left, cols);
+        else
+            dp_tile_1(x, a->kp, b, tile_elems, tiles, y, a->ldy, left, cols);
+    }
+}
+
 static __thread uint16_t *x_copy;
 static __thread int64_t x_copy_elems;
 
@@ -180,7 +289,9 @@ static __thread int64_t x_copy_elems;
  * could not be allocated (y untouched). */
 int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k) {
     if (m <= 0 || n <= 0) return 0;
-    const int64_t kp = round_up(k, TILE_K), mp = round_up(m, 32), need = mp * kp;
+    const int tiles = tiles_granted();
+    /* the tile unit reads rows 32 at a time (the padding rows zeros); the vectors read only x's rows */
+    const int64_t kp = round_up(k, TILE_K), mp = tiles ? round_up(m, 32) : m, need = mp * kp;
     if (need > x_copy_elems) {
         uint16_t *grown = aligned_alloc(64, (size_t)round_up(need * 2, 64));
         if (grown == NULL) return -1;
@@ -201,6 +312,15 @@ int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, in
         memset(row + kk, 0, sizeof(uint16_t) * (size_t)(kp - kk));
     }
     AmxArgs a = {x_copy, packed, y, ldy, kp, m, n};
+    if (!tiles) {
+        const int64_t blocks = (round_up(n, 2 * TILE_N) / TILE_N + DP_BLOCK_TILES - 1) / DP_BLOCK_TILES;
+        if ((int64_t)m * n * k < 262144)
+            dp_blocks(&a, 0, blocks);
+        else
+            pool_for(blocks, 1, dp_blocks, &a);
+        return 0;
+    }
+#if defined(WITH_AMX)
     const int64_t pairs = round_up(n, 2 * TILE_N) / (2 * TILE_N);
     if ((int64_t)m * n * k < 262144) {
         amx_pairs(&a, 0, pairs);
@@ -208,12 +328,14 @@ int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, in
         const int64_t grain = pairs / 8 < 1 ? 1 : pairs / 8 > PAIR_GROUP ? PAIR_GROUP : pairs / 8;
         pool_for(pairs, grain, amx_pairs, &a);
     }
+#endif
     return 0;
 }
 
-#else /* no AMX in this build (nothing is ever packed for it): callers keep the float32 kernels */
+#else /* no AVX512-BF16 in this build (nothing is ever packed for it): callers keep the float32 kernels */
 
 int linear_amx_available(void) { return 0; }
+int linear_amx_tiles(void) { return 0; }
 int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k) {
     (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k;
     return -1;

@@ -1,6 +1,6 @@
-"""Projections of bfloat16-valued weights on AMX (``csrc/amx.c`` through ``cpu_kernels.linear``): the product
-of the bfloat16-rounded activations and the weights summed in float32, and a row's result independent of the
-rows computed with it."""
+"""Projections of bfloat16-valued weights on AMX or, without it, AVX512-BF16 (``csrc/amx.c`` through
+``cpu_kernels.linear``): the product of the bfloat16-rounded activations and the weights summed in float32,
+and a row's result independent of the rows computed with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from shared.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.amx(), reason="no AMX on this CPU (or not granted by the kernel)")
+pytestmark = pytest.mark.skipif(not cpu_kernels.amx(), reason="neither AMX nor AVX512-BF16 on this CPU")
 
 # (rows, out features, in features): the model's shapes and odd ones (partial tiles, a k tail, one column)
 SHAPES = [(1, 640, 384), (3, 384, 384), (16, 2048, 384), (17, 384, 1024), (40, 7168, 384), (33, 100, 37),
@@ -43,6 +43,10 @@ def test_a_rows_result_does_not_depend_on_the_batch(m, n, k):
     assert whole is not None
     for i in {0, m // 2, m - 1}:
         assert torch.equal(cpu_kernels.linear(x[i : i + 1], w), whole[i : i + 1])
+
+
+def test_the_unit_is_named():
+    assert cpu_kernels.amx_unit() in ("amx", "avx512_bf16")
 
 
 def test_unmarked_weights_keep_the_float32_product():
