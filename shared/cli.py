@@ -45,7 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     dtypes = {
         "--dtype": "weights and KV cache dtype; auto: bfloat16 on CUDA; on CPU float32 (its native kernels), "
-        "but bfloat16 for a bfloat16 checkpoint over 1B parameters",
+        "but bfloat16 for a bfloat16 checkpoint over 1B parameters. On CPU a bfloat16 checkpoint in float32, "
+        "and bfloat16 up to 1B parameters, hold bfloat16 weights as float32 values: the native kernels run "
+        "them, the projections on AMX or AVX512-BF16 where the CPU has them (inputs rounded to bfloat16)",
         "--kv-cache-dtype": "KV cache dtype; auto: the model's, but bfloat16 where --dtype auto runs a bfloat16 "
         "checkpoint in float32 on the CPU (half the bytes per token, the checkpoint's own precision); on CUDA "
         "the model's. fp8 (fp8_e4m3) and fp8_e5m2, on the CPU: a quarter of float32's bytes per token (four "

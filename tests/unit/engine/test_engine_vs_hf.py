@@ -184,8 +184,8 @@ def test_stop_token_id_ends_output_and_is_not_in_text(checkpoint_factory):
 def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoint_factory, monkeypatch, amx,
                                                                         kv_cache_dtype):  # fmt: skip
     """The CPU's native kernels are float32: ``auto`` runs a bfloat16 checkpoint there in float32 (twice the
-    speed), its projections on AMX where the CPU has it (their inputs rounded to bfloat16, as the
-    checkpoint's dtype would), its KV cache in bfloat16 unless asked for float32. With neither AMX nor a
+    speed), its projections on AMX or AVX512-BF16 where the CPU has them (their inputs rounded to bfloat16, as
+    the checkpoint's dtype would), its KV cache in bfloat16 unless asked for float32. With neither nor a
     bfloat16 cache, greedy tokens equal transformers' on the checkpoint in float32; otherwise transformers'
     first token (in bfloat16 with AMX, else float32) is among ours' top 5, and ours among its."""
     from transformers import AutoModelForCausalLM
@@ -193,7 +193,7 @@ def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoin
     from shared.kernels import cpu_kernels
 
     if amx and not cpu_kernels.amx():
-        pytest.skip("no AMX on this CPU")
+        pytest.skip("neither AMX nor AVX512-BF16 on this CPU")
     monkeypatch.setattr(cpu_kernels, "_amx", amx and cpu_kernels.amx())
     model_dir = checkpoint_factory("llama", dtype="bfloat16")
     llm = small_llm(model_dir, dtype="auto", kv_cache_dtype=kv_cache_dtype)
@@ -214,6 +214,32 @@ def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoin
             else:
                 expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
                 assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
+
+
+def test_bfloat16_dtype_on_cpu_holds_bfloat16_weights_on_the_float32_kernels(checkpoint_factory):
+    """``--dtype bfloat16`` on the CPU (a small model): the weights rounded to bfloat16 and held as float32 values,
+    computed as ``auto`` computes a bfloat16 checkpoint (projections on bfloat16 products where the CPU has
+    them), the KV cache in bfloat16; the same greedy tokens as the checkpoint saved in bfloat16 at ``auto``."""
+    from shared.kernels import cpu_kernels
+
+    float32_dir = checkpoint_factory("llama")
+    llm = small_llm(float32_dir, dtype="bfloat16")
+    params = list(llm.engine.model.parameters())
+    assert all(p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float()) for p in params)
+    as_saved = list(small_llm(float32_dir).engine.model.parameters())
+    assert not all(torch.equal(p, q) for p, q in zip(params, as_saved, strict=True))
+    assert llm.engine.dtype_name == "bfloat16" and llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert (cpu_kernels.amx_weight(llm.engine.model.output_weight) is not None) == cpu_kernels.amx()
+    bfloat16_dir = float32_dir.parent / "saved-in-bfloat16"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(float32_dir, dtype=torch.bfloat16).save_pretrained(bfloat16_dir)
+    AutoTokenizer.from_pretrained(float32_dir).save_pretrained(bfloat16_dir)
+    saved = small_llm(bfloat16_dir, dtype="auto")
+    prompts = make_prompts(llm.engine.model_config.vocab_size, set(), count=3, seed=7)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ours = [out.outputs[0].token_ids for out in llm.generate(prompts, sampling)]
+    assert ours == [out.outputs[0].token_ids for out in saved.generate(prompts, sampling)]
 
 
 @pytest.mark.parametrize("kv, factor, tolerance", [("bfloat16", 2, 0.05), ("fp8", 4, 0.2), ("fp8_e5m2", 4, 0.3)])
