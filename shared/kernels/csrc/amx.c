@@ -200,9 +200,9 @@ static void amx_pairs(void *p, int64_t p0, int64_t p1) {
 static inline __attribute__((always_inline)) void dp_tile(const int R, const uint16_t *xb, int64_t kp,
                                                           const uint16_t *b, int64_t tile_elems, int tiles,
                                                           float *y, int64_t ldy, int rows, int cols) {
-    const uint32_t *xr[DP_ROWS]; /* a row's pairs of k as 32-bit words, one broadcast each */
+    const uint16_t *xr[DP_ROWS];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(xb + (int64_t)(r < rows ? r : rows - 1) * kp);
+    for (int r = 0; r < R; r++) xr[r] = xb + (int64_t)(r < rows ? r : rows - 1) * kp;
     const uint16_t *bt[DP_BLOCK_TILES];
 #pragma GCC unroll 4
     for (int t = 0; t < DP_BLOCK_TILES; t++) bt[t] = b + (t < tiles ? t : tiles - 1) * tile_elems;
@@ -218,7 +218,8 @@ static inline __attribute__((always_inline)) void dp_tile(const int R, const uin
         for (int t = 0; t < DP_BLOCK_TILES; t++) w[t] = (__m512bh)_mm512_load_si512((const void *)(bt[t] + j * 32));
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][j]);
+            /* the row's pair (2j, 2j + 1) in every lane: one 32-bit load (alias-safe), broadcast */
+            const __m512bh xv = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(xr[r] + 2 * j));
 #pragma GCC unroll 4
             for (int t = 0; t < DP_BLOCK_TILES; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, w[t]);
         }
