@@ -618,7 +618,8 @@ def amx_unit() -> str | None:
         return None
     lib = load()
     assert lib is not None
-    return "amx" if lib.linear_amx_tiles() else "avx512_bf16"
+    tiles = getattr(lib, "linear_amx_tiles", None)  # a library built before the vector path ran AMX alone
+    return "amx" if tiles is None or tiles() else "avx512_bf16"
 
 
 def mark_bfloat16_values(weights: list[torch.Tensor]) -> None:
