@@ -179,11 +179,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "linear_amx"):  # bfloat16-valued weights on AMX or AVX512-BF16 (csrc/amx.c)
         lib.linear_amx_available.argtypes = []
         lib.linear_amx_available.restype = ctypes.c_int
-    if hasattr(lib, "linear_amx_tiles"):
-        lib.linear_amx_tiles.argtypes = []
-        lib.linear_amx_tiles.restype = ctypes.c_int
         lib.linear_amx.argtypes = [ptr, i64, ptr, ptr, i64, i32, i32, i32]
         lib.linear_amx.restype = ctypes.c_int
+    if hasattr(lib, "linear_amx_tiles"):  # which unit runs them (a library built before the vector path: AMX)
+        lib.linear_amx_tiles.argtypes = []
+        lib.linear_amx_tiles.restype = ctypes.c_int
     if hasattr(lib, "linear_amx_pack"):  # built with AVX512-BF16
         lib.linear_amx_packed_elems.argtypes = [i32, i32]
         lib.linear_amx_packed_elems.restype = i64
@@ -618,7 +618,7 @@ def amx_unit() -> str | None:
         return None
     lib = load()
     assert lib is not None
-    tiles = getattr(lib, "linear_amx_tiles", None)  # a library built before the vector path ran AMX alone
+    tiles = getattr(lib, "linear_amx_tiles", None)
     return "amx" if tiles is None or tiles() else "avx512_bf16"
 
 
@@ -653,8 +653,8 @@ def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def kernel_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(bfloat16 copy, packed float32 copy) of a projection's weight, at most one of them, made on first use:
-    the bfloat16 one where it applies (``amx_weight``), else the packed one (``packed_weight``); neither: the weight as
-    it is. The module path (``linear``) and the one-call forward (``CpuStack``) both choose here."""
+    the bfloat16 one where it applies (``amx_weight``), else the packed one (``packed_weight``); neither: the
+    weight as it is. The module path (``linear``) and the one-call forward (``CpuStack``) both choose here."""
     tiles = amx_weight(weight)
     return (tiles, None) if tiles is not None else (None, packed_weight(weight))
 

@@ -28,10 +28,10 @@
 #define WITH_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
-#endif
-
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+#endif
+
 #define TILE_K 32 /* bfloat16 values of k per tile row: 64 bytes */
 #define TILE_N 16
 
@@ -313,9 +313,10 @@ int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, in
         memset(row + kk, 0, sizeof(uint16_t) * (size_t)(kp - kk));
     }
     AmxArgs a = {x_copy, packed, y, ldy, kp, m, n};
+    const int one_thread = (int64_t)m * n * k < 262144; /* too little work to wake a helper for */
     if (!tiles) {
         const int64_t blocks = (round_up(n, 2 * TILE_N) / TILE_N + DP_BLOCK_TILES - 1) / DP_BLOCK_TILES;
-        if ((int64_t)m * n * k < 262144)
+        if (one_thread)
             dp_blocks(&a, 0, blocks);
         else
             pool_for(blocks, 1, dp_blocks, &a);
@@ -323,7 +324,7 @@ int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, in
     }
 #if defined(WITH_AMX)
     const int64_t pairs = round_up(n, 2 * TILE_N) / (2 * TILE_N);
-    if ((int64_t)m * n * k < 262144) {
+    if (one_thread) {
         amx_pairs(&a, 0, pairs);
     } else { /* threads take whole groups where there are enough to go round (8 chunks or more) */
         const int64_t grain = pairs / 8 < 1 ? 1 : pairs / 8 > PAIR_GROUP ? PAIR_GROUP : pairs / 8;
