@@ -30,6 +30,7 @@ from shared.cli import add_engine_args, engine_config_from_args, parse_bytes
 from shared.engine.engine_core import EngineCore
 from shared.engine.model_runner import kv_block_bytes
 from shared.engine.sampling_params import SamplingParams
+from shared.kernels import cpu_kernels
 
 
 def _sync(device: torch.device) -> None:
@@ -62,7 +63,9 @@ def linear_bound_ms(model, batch: int, steps: int) -> float:
         projections += [(p, p.weight) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     projections.append((model.compute_logits, model.output_weight))
     weights = [w for _, w in projections]
-    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    inputs = [torch.randn(batch, cpu_kernels.projection_shape(w)[1], device=w.device,
+                          dtype=torch.float32 if cpu_kernels.held_shape(w) is not None else w.dtype)
+              for w in weights]  # fmt: skip
 
     def run() -> None:
         for x, (project, _) in zip(inputs, projections, strict=True):
@@ -82,7 +85,6 @@ def attention_bound_ms(core: EngineCore, steps: int) -> float | None:
     """Milliseconds per step of the decode attention alone: every layer's paged decode kernel over the running
     requests' own block tables and context lengths (one new token each), on the engine's KV cache. None where
     the CPU kernel does not run (another device, or a cache it declines)."""
-    from shared.kernels import cpu_kernels
 
     kv, config, running = core.runner.kv_cache, core.model_config, core.scheduler.running
     query = torch.randn(len(running), config.num_heads, config.head_dim)

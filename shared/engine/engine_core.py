@@ -137,22 +137,28 @@ class EngineCore:
         # float32 kernels, with their projections on bfloat16 products where the CPU has them. A bfloat16
         # model on torch's generic CPU operators ran the 12M Llama at 950 output tok/s offline, against
         # 2,840-3,040 so on AVX512-BF16 (Zen 4) and 1,574 for the float32 model.
+        # Where those products run (cpu_kernels.bfloat16_holding), the projections are held as their bfloat16
+        # copies alone (2 bytes a value, as a bfloat16 model; a float32 matrix beside its copy took 6), at any
+        # size: a bfloat16 checkpoint over CPU_FLOAT32_MAX_PARAMETERS runs so too.
+        holding = self.device.type == "cpu" and cpu_kernels.bfloat16_holding()
         bfloat16_values = self.device.type == "cpu" and (
             (checkpoint.torch_dtype == "bfloat16" and self.dtype_name == "float32")
-            or (self.dtype_name == "bfloat16" and checkpoint.num_parameters <= CPU_FLOAT32_MAX_PARAMETERS)
+            or (self.dtype_name == "bfloat16" and (checkpoint.num_parameters <= CPU_FLOAT32_MAX_PARAMETERS or holding))
         )
         self.model, self.model_config = load_model(config.model, "float32" if bfloat16_values else self.dtype_name,
-                                                   self.device)  # fmt: skip
+                                                   self.device, bfloat16_projections=bfloat16_values and holding)  # fmt: skip
         if bfloat16_values:
             if self.dtype_name == "bfloat16":
                 with torch.no_grad():
                     for param in self.model.parameters():
-                        param.copy_(param.to(torch.bfloat16))  # the values a bfloat16 load would hold
+                        if cpu_kernels.held_shape(param) is None:  # (the held ones were rounded as they loaded)
+                            param.copy_(param.to(torch.bfloat16))  # the values a bfloat16 load would hold
             # Their projections may run on AMX or AVX512-BF16, which round their inputs to bfloat16 as a
             # bfloat16 model would (cpu_kernels.amx_weight), from half the bytes; the rest stays float32.
             cpu_kernels.mark_bfloat16_values(self.model.projection_weights())
-            logger.info("bfloat16 weights on the CPU: float32 kernels, projections on %s",
-                        cpu_kernels.amx_unit() or "the float32 kernel")  # fmt: skip
+            logger.info("bfloat16 weights on the CPU: float32 kernels, projections on %s%s",
+                        cpu_kernels.amx_unit() or "the float32 kernel",
+                        ", held as their bfloat16 copies" if holding else "")  # fmt: skip
         self.kv_dtype_name = resolve_kv_dtype(config.kv_cache_dtype, config.dtype, self.dtype_name,
                                               checkpoint.torch_dtype, self.device)  # fmt: skip
         kv_dtype = torch_dtype(self.kv_dtype_name)

@@ -189,6 +189,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.linear_amx_packed_elems.restype = i64
         lib.linear_amx_pack.argtypes = [ptr, i32, i32, ptr]
         lib.linear_amx_pack.restype = None
+    if hasattr(lib, "linear_amx_unpack"):  # a weight held only as its bfloat16 copy, made whole again
+        lib.linear_amx_unpack.argtypes = [ptr, i32, i32, ptr]
+        lib.linear_amx_unpack.restype = None
+        lib.linear_amx_rows.argtypes = [ptr, i32, i32, ptr, i64, ptr]
+        lib.linear_amx_rows.restype = i64
     if hasattr(lib, "pool_set_threads"):
         lib.pool_set_threads.argtypes = [i32]
         lib.pool_set_threads.restype = None
@@ -475,19 +480,24 @@ def apply_penalties_(
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:  # [N, D], [T] -> [T, D]
-    """``table[ids]`` (an embedding lookup) on the calling thread; None where it does not apply. An id
-    outside the table raises IndexError, as torch's lookup does."""
-    if not (_f32_rows(table) and table.is_contiguous() and ids.dim() == 1
+    """``table[ids]`` (an embedding lookup) on the calling thread, also from a table held as its bfloat16
+    copy (a tied LM head: ``hold_as_bfloat16``); None where it does not apply. An id outside the table
+    raises IndexError, as torch's lookup does."""
+    held = held_shape(table)
+    if not ((held is not None or (_f32_rows(table) and table.is_contiguous())) and ids.dim() == 1
             and ids.dtype == torch.int64 and ids.device.type == "cpu" and load() is not None):  # fmt: skip
         return None
     lib = load()
     assert lib is not None
     ids = ids.contiguous()
-    out = torch.empty(ids.shape[0], table.shape[1], dtype=torch.float32)
-    bad = lib.gather_rows_f32(table.data_ptr(), table.shape[0], ids.data_ptr(), out.data_ptr(), ids.shape[0],
-                              table.shape[1])  # fmt: skip
+    rows, dim = projection_shape(table)
+    out = torch.empty(ids.shape[0], dim, dtype=torch.float32)
+    if held is not None:
+        bad = lib.linear_amx_rows(table.data_ptr(), rows, dim, ids.data_ptr(), ids.shape[0], out.data_ptr())
+    else:
+        bad = lib.gather_rows_f32(table.data_ptr(), rows, ids.data_ptr(), out.data_ptr(), ids.shape[0], dim)
     if bad >= 0:
-        raise IndexError(f"index {int(ids[bad])} is out of range for {table.shape[0]} rows")
+        raise IndexError(f"index {int(ids[bad])} is out of range for {rows} rows")
     return out
 
 
@@ -630,11 +640,100 @@ def mark_bfloat16_values(weights: list[torch.Tensor]) -> None:
         setattr(weight, BF16_ATTR, True)
 
 
+HELD_ATTR = "_cleave_bf16_held"  # on a weight held only as its bfloat16 copy (hold_as_bfloat16): its [N, K]
+
+
+def bfloat16_holding() -> bool:
+    """Whether projections of bfloat16 values can be held as their bfloat16 copies alone (``hold_as_bfloat16``):
+    ``amx`` runs them, on the native linear kernel, and the library can unpack a copy where a caller needs the
+    float32 values."""
+    lib = load()
+    return amx() and native_linear() and lib is not None and hasattr(lib, "linear_amx_unpack")
+
+
+def held_shape(weight: torch.Tensor) -> tuple[int, int] | None:
+    """The [N, K] of a weight held only as its bfloat16 copy; None for any other tensor."""
+    return getattr(weight, HELD_ATTR, None)
+
+
+def projection_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """A projection weight's [N, K], whether it is a matrix or held as its bfloat16 copy."""
+    held = held_shape(weight)
+    return held if held is not None else (weight.shape[0], weight.shape[1])
+
+
+def hold_as_bfloat16(weight: torch.Tensor) -> None:
+    """Give a float32 CPU projection ``weight`` [N, K] (a parameter, before its values are loaded) the storage
+    of its bfloat16 copy in place of its own: 2 bytes a value instead of 4 for the matrix plus 2 for the copy.
+    ``linear`` and the one-call forward read it as any bfloat16 copy (``amx_weight`` returns the weight itself);
+    its values arrive through ``BFloat16Staging``. Only where ``bfloat16_holding``."""
+    lib = load()
+    assert lib is not None and bfloat16_holding() and weight.dtype == torch.float32 and weight.dim() == 2
+    n, k = weight.shape
+    weight.data = torch.empty(lib.linear_amx_packed_elems(n, k), dtype=torch.bfloat16, device="cpu")  # the bits
+    setattr(weight, HELD_ATTR, (n, k))
+
+
+def unpacked(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 [N, K] values of a weight held as its bfloat16 copy (a new tensor: for the rare caller that
+    cannot read the copy)."""
+    n, k = projection_shape(weight)
+    lib = load()
+    assert lib is not None and held_shape(weight) is not None
+    values = torch.empty(n, k, dtype=torch.float32)
+    lib.linear_amx_unpack(weight.data_ptr(), n, k, values.data_ptr())
+    return values
+
+
+class BFloat16Staging:
+    """The float32 rows of a weight held as its bfloat16 copy while a loader fills them, slice by slice
+    (``rows``): once every row has arrived they are rounded to bfloat16 into the copy and freed, so a load holds
+    at most one weight's float32 values at a time."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.n, self.k = projection_shape(weight)
+        self.values: torch.Tensor | None = None
+        self.arrived: dict[int, int] = {}  # first row -> rows, of every slice copied so far
+
+    def rows(self, start: int, count: int) -> StagedRows:
+        return StagedRows(self, start, count)
+
+    def fill(self, start: int, src: torch.Tensor) -> None:
+        if self.values is None:
+            self.values = torch.empty(self.n, self.k, dtype=torch.float32)
+        self.values[start : start + src.shape[0]].copy_(src)
+        self.arrived[start] = src.shape[0]
+        if sum(self.arrived.values()) == self.n:
+            lib = load()
+            assert lib is not None
+            lib.linear_amx_pack(self.values.data_ptr(), self.n, self.k, self.weight.data_ptr())
+            self.values = None
+
+
+class StagedRows:
+    """Rows [start, start + count) of a ``BFloat16Staging``: what a loader copies a checkpoint tensor into
+    (``shape`` and ``copy_``, as the destination view of a matrix weight)."""
+
+    def __init__(self, staging: BFloat16Staging, start: int, count: int) -> None:
+        self.staging, self.start = staging, start
+        self.shape = torch.Size([count, staging.k])
+
+    def copy_(self, src: torch.Tensor) -> StagedRows:
+        if tuple(src.shape) != tuple(self.shape):
+            raise ValueError(f"expected rows of shape {tuple(self.shape)}, got {tuple(src.shape)}")
+        self.staging.fill(self.start, src)
+        return self
+
+
 def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The bfloat16 copy of a bfloat16-valued float32 CPU ``weight`` [N, K] (half its bytes) that AMX and
     AVX512-BF16 read (``amx``), made on first use
     and kept on the tensor (made again once it is written in place); None where AMX does not apply, or where
-    the copy would not fit in ``PACK_MEMORY_SHARE`` (as for ``packed_weight``)."""
+    the copy would not fit in ``PACK_MEMORY_SHARE`` (as for ``packed_weight``). A weight held as its copy
+    (``hold_as_bfloat16``) is its own."""
+    if hasattr(weight, HELD_ATTR):
+        return weight
     if not getattr(weight, BF16_ATTR, False) or not amx():
         return None
     key = (weight.data_ptr(), weight._version)
@@ -660,27 +759,36 @@ def kernel_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``x @ weight.T`` for float32 CPU ``x`` [..., K] and ``weight`` [N, K] on the native kernel, whose
-    result for a row does not depend on the other rows; None where it does not apply."""
-    if not (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and x.shape[-1] == weight.shape[1] and native_linear()):  # fmt: skip
+    """``x @ weight.T`` for float32 CPU ``x`` [..., K] and ``weight`` [N, K] (or held as its bfloat16 copy) on
+    the native kernel, whose result for a row does not depend on the other rows; None where it does not apply
+    (never for a held weight, which nothing else can multiply)."""
+    held = held_shape(weight)
+    if held is None and not (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+                             and weight.is_contiguous()):  # fmt: skip
         return None
-    rows = x.reshape(-1, x.shape[-1])
+    n, k = projection_shape(weight)
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == k and native_linear()):
+        if held is not None:
+            raise ValueError(f"a projection held as its bfloat16 copy takes float32 CPU rows of {k} values, "
+                             f"not {x.dtype} {tuple(x.shape)} on {x.device}")  # fmt: skip
+        return None
+    rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib = load()
     assert lib is not None
     tiles, packed = kernel_copies(weight)
+    w = weight
     if tiles is not None:
-        status = lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(), weight.shape[0],
-                                rows.shape[0], weight.shape[0], weight.shape[1])  # fmt: skip
+        status = lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(), n,
+                                rows.shape[0], n, k)  # fmt: skip
         if status == 0:
-            return out  # else (no memory for the rounded rows) the weight as it is, as the one-call forward does
-    product, w = (lib.linear_f32, weight) if packed is None else (lib.linear_f32_packed, packed)
-    product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), weight.shape[0], rows.shape[0],
-            weight.shape[0], weight.shape[1])  # fmt: skip
+            return out  # else (no memory for the rounded rows) the weight's float32 values, as the one-call
+        if held is not None:  # forward does
+            w = unpacked(weight)
+    product, w = (lib.linear_f32, w) if packed is None else (lib.linear_f32_packed, packed)
+    product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k)
     return out
 
 

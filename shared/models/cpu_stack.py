@@ -148,13 +148,16 @@ class CpuStack:
 
         def copies(module) -> tuple[int | None, int | None]:
             """A projection's (packed, AMX) copy where the native kernels read one; neither on torch's BLAS."""
-            tiles, packed = cpu_kernels.kernel_copies(module.weight) if self.sgemm is None else (None, None)
+            held = cpu_kernels.held_shape(module.weight) is not None
+            tiles, packed = cpu_kernels.kernel_copies(module.weight) if self.sgemm is None or held else (None, None)
             return (None if packed is None else packed.data_ptr()), (None if tiles is None else tiles.data_ptr())
 
         def layer(i: int, la, group) -> _LayerWeights:
             packed, amx = zip(*[copies(module) for module in group[:PROJECTIONS]], strict=True)
-            return _LayerWeights(*[ptr for ptr, _ in self.weight_ptrs[i * size : (i + 1) * size]], *packed, *amx,
-                                 la.input_layernorm.eps, la.post_attention_layernorm.eps)  # fmt: skip
+            # NULL for a weight held as its bfloat16 copy: there is no float32 matrix to fall back on
+            ptrs = [None if cpu_kernels.held_shape(module.weight) is not None else ptr
+                    for module, (ptr, _) in zip(group, self.weight_ptrs[i * size : (i + 1) * size], strict=True)]  # fmt: skip
+            return _LayerWeights(*ptrs, *packed, *amx, la.input_layernorm.eps, la.post_attention_layernorm.eps)
 
         self.layer_weights = (_LayerWeights * len(layers))(
             *[layer(i, la, group) for i, (la, group) in enumerate(zip(layers, groups, strict=True))]

@@ -107,10 +107,18 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` left uninitialised, as ``Linear``."""
+    """``nn.Embedding`` left uninitialised, as ``Linear``; its table may be held as its bfloat16 copy (a tied
+    LM head, ``cpu_kernels.hold_as_bfloat16``)."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.held_shape(self.weight) is None:
+            return super().forward(input)
+        rows = cpu_kernels.gather_rows(self.weight, input.reshape(-1).to(torch.int64))
+        assert rows is not None, "a table held as its bfloat16 copy is on the CPU with the native kernels"
+        return rows.view(*input.shape, rows.shape[-1])
 
 
 class RMSNorm(nn.Module):
@@ -315,34 +323,45 @@ class LlamaModel(nn.Module):
         logits = cpu_kernels.linear(hidden, weight)
         return (F.linear(hidden, weight) if logits is None else logits).float()
 
-    def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor | cpu_kernels.StagedRows]]:
         """(Hugging Face tensor name, destination view) for every weight the checkpoint must provide.
 
         Each destination has the exact shape the checkpoint tensor must have;
-        fused projections hand out row slices of their weight.
+        fused projections hand out row slices of their weight. A weight held as its bfloat16
+        copy (``cpu_kernels.hold_as_bfloat16``) hands out rows of its float32 staging instead,
+        packed into it once they have all arrived.
         """
-        yield "model.embed_tokens.weight", self.embed_tokens.weight.data
+        stagings: dict[int, cpu_kernels.BFloat16Staging] = {}
+
+        def rows(weight: torch.Tensor, start: int, count: int) -> torch.Tensor | cpu_kernels.StagedRows:
+            if cpu_kernels.held_shape(weight) is None:
+                return weight.data[start : start + count]
+            if id(weight) not in stagings:
+                stagings[id(weight)] = cpu_kernels.BFloat16Staging(weight)
+            return stagings[id(weight)].rows(start, count)
+
+        yield "model.embed_tokens.weight", rows(self.embed_tokens.weight, 0, self.embed_tokens.num_embeddings)
         for i, layer in enumerate(self.decoder_layers()):
             prefix = f"model.layers.{i}"
             attn, mlp = layer.self_attn, layer.mlp
             q_rows, kv_rows = attn.q_size, attn.kv_size
             qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows)}
-            for name, (start, rows) in qkv_slices.items():
-                yield f"{prefix}.self_attn.{name}.weight", attn.qkv_proj.weight.data[start : start + rows]
+            for name, (start, size) in qkv_slices.items():
+                yield f"{prefix}.self_attn.{name}.weight", rows(attn.qkv_proj.weight, start, size)
                 if attn.qkv_proj.bias is not None:
-                    yield f"{prefix}.self_attn.{name}.bias", attn.qkv_proj.bias.data[start : start + rows]
-            yield f"{prefix}.self_attn.o_proj.weight", attn.o_proj.weight.data
+                    yield f"{prefix}.self_attn.{name}.bias", attn.qkv_proj.bias.data[start : start + size]
+            yield f"{prefix}.self_attn.o_proj.weight", rows(attn.o_proj.weight, 0, attn.o_proj.out_features)
             if attn.o_proj.bias is not None:
                 yield f"{prefix}.self_attn.o_proj.bias", attn.o_proj.bias.data
             if attn.q_norm is not None and attn.k_norm is not None:
                 yield f"{prefix}.self_attn.q_norm.weight", attn.q_norm.weight.data
                 yield f"{prefix}.self_attn.k_norm.weight", attn.k_norm.weight.data
             inter = mlp.intermediate_size
-            yield f"{prefix}.mlp.gate_proj.weight", mlp.gate_up_proj.weight.data[:inter]
-            yield f"{prefix}.mlp.up_proj.weight", mlp.gate_up_proj.weight.data[inter:]
-            yield f"{prefix}.mlp.down_proj.weight", mlp.down_proj.weight.data
+            yield f"{prefix}.mlp.gate_proj.weight", rows(mlp.gate_up_proj.weight, 0, inter)
+            yield f"{prefix}.mlp.up_proj.weight", rows(mlp.gate_up_proj.weight, inter, inter)
+            yield f"{prefix}.mlp.down_proj.weight", rows(mlp.down_proj.weight, 0, mlp.down_proj.out_features)
             yield f"{prefix}.input_layernorm.weight", layer.input_layernorm.weight.data
             yield f"{prefix}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight.data
         yield "model.norm.weight", self.norm.weight.data
         if self.lm_head is not None:
-            yield "lm_head.weight", self.lm_head.weight.data
+            yield "lm_head.weight", rows(self.lm_head.weight, 0, self.lm_head.out_features)

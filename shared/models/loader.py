@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from shared.engine.cpu_alloc import huge_page_mapping
+from shared.kernels import cpu_kernels
 from shared.models.config import ModelConfig, ModelLoadError, load_model_config
 from shared.models.llama import LlamaModel
 
@@ -100,15 +101,21 @@ def load_gguf_weights(model: LlamaModel, path: Path) -> None:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: str = "auto", device: str | torch.device = "cpu", bfloat16_projections: bool = False
 ) -> tuple[LlamaModel, ModelConfig]:
     """Build the model described by ``config.json`` and fill it from the safetensors files.
 
     ``model_dir`` may also name a ``.gguf`` file: geometry from its metadata, weights dequantised.
+    ``bfloat16_projections`` (a float32 model on the CPU, where ``cpu_kernels.bfloat16_holding``): the
+    layers' projections, the LM head and the embedding are held as their bfloat16 copies alone, their
+    values rounded to bfloat16 as they load (``cpu_kernels.hold_as_bfloat16``); the norms stay float32.
     """
     model_dir = Path(model_dir)
     config = load_model_config(model_dir)
     model = LlamaModel(config, dtype=resolve_dtype(dtype, config), device=device)
+    if bfloat16_projections:
+        for weight in {id(w): w for w in [model.embed_tokens.weight, *model.projection_weights()]}.values():
+            cpu_kernels.hold_as_bfloat16(weight)
     if model.embed_tokens.weight.device.type == "cpu":
         place_in_huge_pages(model)  # before the weights arrive: nothing to copy, nothing left behind
     if str(model_dir).lower().endswith(".gguf"):

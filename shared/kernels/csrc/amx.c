@@ -78,6 +78,34 @@ void linear_amx_pack(const float *w, int n, int k, uint16_t *packed) {
         }
 }
 
+/* out[0 .. k) = the float32 values of column col of a packed copy (exact: they are bfloat16 values). */
+static void unpack_column(const uint16_t *packed, int64_t tiles_k, int64_t col, int k, float *out) {
+    const uint16_t *tiles = packed + (col / TILE_N) * tiles_k * (TILE_K * TILE_N) + (col % TILE_N) * 2;
+    for (int64_t kk = 0; kk < k; kk++) {
+        const int64_t kt = kk / TILE_K, r = (kk % TILE_K) / 2, p = kk % 2;
+        const uint32_t bits = (uint32_t)tiles[kt * (TILE_K * TILE_N) + r * TILE_N * 2 + p] << 16;
+        memcpy(&out[kk], &bits, sizeof bits);
+    }
+}
+
+/* w[n, k] from its packed copy (linear_amx_pack's inverse), for a weight held only as its copy where a
+ * caller needs it whole. */
+void linear_amx_unpack(const uint16_t *packed, int n, int k, float *w) {
+    const int64_t tiles_k = round_up(k, TILE_K) / TILE_K;
+    for (int64_t col = 0; col < n; col++) unpack_column(packed, tiles_k, col, k, w + col * k);
+}
+
+/* out[i] = w[ids[i]] (rows of k values) from w's packed copy: the embedding lookup of a tied LM head held only
+ * as its copy. Returns the first i whose id is outside [0, n), or -1 (as gather_rows_f32). */
+int64_t linear_amx_rows(const uint16_t *packed, int n, int k, const int64_t *ids, int64_t count, float *out) {
+    const int64_t tiles_k = round_up(k, TILE_K) / TILE_K;
+    for (int64_t i = 0; i < count; i++) {
+        if (ids[i] < 0 || ids[i] >= n) return i;
+        unpack_column(packed, tiles_k, ids[i], k, out + i * k);
+    }
+    return -1;
+}
+
 typedef struct {
     const uint16_t *xb, *packed;
     float *y;

@@ -55,6 +55,7 @@ NARROW_KV_KERNELS(uint8_t, e5m2)
 #undef NARROW_KV_KERNELS
 
 typedef struct {
+    /* The projections' weights NULL where the model holds them only as their AMX copies (below). */
     const float *qkv_weight, *o_weight, *gate_up_weight, *down_weight, *input_norm, *post_norm;
     /* The projections' packed copies (gemm.c's linear_f32_pack), each NULL where there is none. */
     const float *qkv_packed, *o_packed, *gate_up_packed, *down_packed;
@@ -84,22 +85,27 @@ void linear_f32(const float *x, int64_t ldx, const float *w, float *y, int64_t l
 void linear_f32_packed(const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy, int m, int n, int k);
 int linear_amx(const float *x, int64_t ldx, const uint16_t *packed, float *y, int64_t ldy, int m, int n, int k);
 
+#define LINEAR_DECLINED 16 /* a status no attention kernel returns */
+
 /* y[M, N] = x[M, K] . w[N, K]^T: on gemm.c's kernel where no BLAS is given (from w's packed copy where
  * there is one, as the model's Python path then does), else called as torch's CPU linear calls BLAS
- * (column-major, w transposed); on AMX where the weight has an AMX copy. */
-static void linear(sgemm_fn sgemm, const float *x, const float *w, const float *packed, const uint16_t *amx,
-                   float *y, int m, int n, int k) {
-    if (amx != NULL && linear_amx(x, k, amx, y, n, m, n, k) == 0) return; /* as the Python path does */
+ * (column-major, w transposed); on AMX where the weight has an AMX copy. 0, or LINEAR_DECLINED where that
+ * copy is all there is (w NULL) and linear_amx could not run. */
+static int linear(sgemm_fn sgemm, const float *x, const float *w, const float *packed, const uint16_t *amx,
+                  float *y, int m, int n, int k) {
+    if (amx != NULL && linear_amx(x, k, amx, y, n, m, n, k) == 0) return 0; /* as the Python path does */
+    if (w == NULL) return LINEAR_DECLINED; /* a weight held only as its bfloat16 copy: the Python path unpacks it */
     if (sgemm == NULL) {
         if (packed != NULL)
             linear_f32_packed(x, k, packed, y, n, m, n, k);
         else
             linear_f32(x, k, w, y, n, m, n, k);
-        return;
+        return 0;
     }
     const char transa = 't', transb = 'n';
     const float alpha = 1.f, beta = 0.f;
     sgemm(&transa, &transb, &n, &m, &k, &alpha, w, &k, x, &k, &beta, y, &n);
+    return 0;
 }
 
 /* The layer's KV write and paged attention, for a cache of float32 (KV_T float, suffix f32), bfloat16 or float8. */
@@ -130,7 +136,8 @@ int64_t llama_forward_scratch_floats(int num_tokens, int hidden, int q_size, int
     return t * (3 * (int64_t)hidden + (q_size + 2 * (int64_t)kv_size) + 2 * (int64_t)q_size + 3 * (int64_t)intermediate);
 }
 
-/* Returns 0, or the attention kernel's status (the layers before it have run, the residual is spent). */
+/* Returns 0, or the attention kernel's status or LINEAR_DECLINED (the layers before it have run, the residual is
+ * spent). */
 int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
     const int t = a->num_tokens, h = a->hidden, qkv_dim = a->q_size + 2 * a->kv_size, inter = a->intermediate;
     float *normed = a->scratch, *qkv = normed + (int64_t)t * h, *q = qkv + (int64_t)t * qkv_dim;
@@ -142,10 +149,10 @@ int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
             rms_norm_f32(a->residual, h, w->input_norm, normed, h, t, h, w->input_eps);
         else
             add_rms_norm_f32(mlp_out, h, a->residual, h, w->input_norm, normed, h, t, h, w->input_eps);
-        linear(a->sgemm, normed, w->qkv_weight, w->qkv_packed, w->qkv_amx, qkv, t, qkv_dim, h);
+        int status = linear(a->sgemm, normed, w->qkv_weight, w->qkv_packed, w->qkv_amx, qkv, t, qkv_dim, h);
+        if (status != 0) return status;
         rope_f32(qkv, qkv_dim, t, a->num_heads + a->num_kv_heads, a->head_dim, a->cos, a->sin);
         for (int i = 0; i < t; i++) memcpy(q + (int64_t)i * a->q_size, qkv + (int64_t)i * qkv_dim, sizeof(float) * (size_t)a->q_size);
-        int status;
         switch (a->kv_kind) {
         case 1: status = attention_bf16(a, l, qkv, q, attn); break;
         case 2: status = attention_e4m3(a, l, qkv, q, attn); break;
@@ -153,11 +160,14 @@ int llama_forward_f32(const ForwardArgs *a, const LayerWeights *layers) {
         default: status = attention_f32(a, l, qkv, q, attn);
         }
         if (status != 0) return status;
-        linear(a->sgemm, attn, w->o_weight, w->o_packed, w->o_amx, o, t, h, a->q_size);
+        status = linear(a->sgemm, attn, w->o_weight, w->o_packed, w->o_amx, o, t, h, a->q_size);
+        if (status != 0) return status;
         add_rms_norm_f32(o, h, a->residual, h, w->post_norm, normed, h, t, h, w->post_eps);
-        linear(a->sgemm, normed, w->gate_up_weight, w->gate_up_packed, w->gate_up_amx, gate_up, t, 2 * inter, h);
+        status = linear(a->sgemm, normed, w->gate_up_weight, w->gate_up_packed, w->gate_up_amx, gate_up, t, 2 * inter, h);
+        if (status != 0) return status;
         silu_mul_f32(gate_up, 2 * inter, act, t, inter);
-        linear(a->sgemm, act, w->down_weight, w->down_packed, w->down_amx, mlp_out, t, h, inter);
+        status = linear(a->sgemm, act, w->down_weight, w->down_packed, w->down_amx, mlp_out, t, h, inter);
+        if (status != 0) return status;
     }
     if (a->num_layers == 0)
         rms_norm_f32(a->residual, h, a->final_norm, a->out, h, t, h, a->final_eps);

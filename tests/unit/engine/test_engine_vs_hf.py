@@ -216,18 +216,29 @@ def test_auto_dtype_on_cpu_runs_a_small_bfloat16_checkpoint_in_float32(checkpoin
                 assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()
 
 
+def values_of(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's float32 values, also where it is held as its bfloat16 copy."""
+    from shared.kernels import cpu_kernels
+
+    return cpu_kernels.unpacked(param) if cpu_kernels.held_shape(param) is not None else param
+
+
 def test_bfloat16_dtype_on_cpu_holds_bfloat16_weights_on_the_float32_kernels(checkpoint_factory):
-    """``--dtype bfloat16`` on the CPU (a small model): the weights rounded to bfloat16 and held as float32 values,
-    computed as ``auto`` computes a bfloat16 checkpoint (projections on bfloat16 products where the CPU has
-    them), the KV cache in bfloat16; the same greedy tokens as the checkpoint saved in bfloat16 at ``auto``."""
+    """``--dtype bfloat16`` on the CPU (a small model): the weights rounded to bfloat16, computed as ``auto``
+    computes a bfloat16 checkpoint (projections on bfloat16 products where the CPU has them, held as their
+    bfloat16 copies there; float32 values otherwise), the KV cache in bfloat16; the same greedy tokens as the
+    checkpoint saved in bfloat16 at ``auto``."""
     from shared.kernels import cpu_kernels
 
     float32_dir = checkpoint_factory("llama")
     llm = small_llm(float32_dir, dtype="bfloat16")
-    params = list(llm.engine.model.parameters())
+    params = [values_of(p) for p in llm.engine.model.parameters()]
     assert all(p.dtype == torch.float32 and torch.equal(p, p.bfloat16().float()) for p in params)
     as_saved = list(small_llm(float32_dir).engine.model.parameters())
+    assert all(torch.equal(p, q.bfloat16().float()) for p, q in zip(params, as_saved, strict=True))
     assert not all(torch.equal(p, q) for p, q in zip(params, as_saved, strict=True))
+    qkv = llm.engine.model.decoder_layers()[0].self_attn.qkv_proj.weight
+    assert (cpu_kernels.held_shape(qkv) is not None) == cpu_kernels.bfloat16_holding()
     assert llm.engine.dtype_name == "bfloat16" and llm.engine.runner.kv_cache.dtype == torch.bfloat16
     assert (cpu_kernels.amx_weight(llm.engine.model.output_weight) is not None) == cpu_kernels.amx()
     bfloat16_dir = float32_dir.parent / "saved-in-bfloat16"
@@ -240,6 +251,47 @@ def test_bfloat16_dtype_on_cpu_holds_bfloat16_weights_on_the_float32_kernels(che
     sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     ours = [out.outputs[0].token_ids for out in llm.generate(prompts, sampling)]
     assert ours == [out.outputs[0].token_ids for out in saved.generate(prompts, sampling)]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_bfloat16_checkpoint_holds_its_weights_as_bfloat16_copies_at_any_size(checkpoint_factory, monkeypatch,
+                                                                                tied):  # fmt: skip
+    """Where bfloat16 products run, a bfloat16 checkpoint's projections, LM head and embedding are held as their
+    bfloat16 copies alone (the parameters take about half the float32 model's bytes, not 1.5 times them), with
+    the same greedy tokens and logprobs as float32 matrices beside their copies; and a checkpoint over
+    ``CPU_FLOAT32_MAX_PARAMETERS`` (``auto``: bfloat16) runs so too instead of on torch's bfloat16 operators."""
+    from shared.engine import engine_core
+    from shared.kernels import cpu_kernels
+    from shared.models.config import load_model_config
+
+    if not cpu_kernels.bfloat16_holding():
+        pytest.skip("neither AMX nor AVX512-BF16 on this CPU")
+    model_dir = checkpoint_factory("llama", dtype="bfloat16", tie_word_embeddings=tied)
+    prompts = make_prompts(load_model_config(model_dir).vocab_size, set(), count=4, seed=13)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def run(**kwargs) -> tuple[LLM, list]:
+        llm = small_llm(model_dir, dtype="auto", **kwargs)
+        outs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sampling)]
+        return llm, outs
+
+    held, held_outs = run()
+    model = held.engine.model
+    weights = [model.embed_tokens.weight, *model.projection_weights()]
+    assert all(cpu_kernels.held_shape(w) is not None and w.dtype == torch.bfloat16 for w in weights)
+    held_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    float32_bytes = 4 * held.engine.model_config.num_parameters
+    assert held_bytes < 0.6 * float32_bytes
+    monkeypatch.setattr(cpu_kernels, "bfloat16_holding", lambda: False)
+    beside, beside_outs = run()
+    assert cpu_kernels.held_shape(beside.engine.model.output_weight) is None
+    assert held_outs == beside_outs
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_core, "CPU_FLOAT32_MAX_PARAMETERS", 1)
+    large, large_outs = run()
+    assert large.engine.dtype_name == "bfloat16" and large.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert cpu_kernels.held_shape(large.engine.model.output_weight) is not None
+    assert large_outs == held_outs
 
 
 @pytest.mark.parametrize("kv, factor, tolerance", [("bfloat16", 2, 0.05), ("fp8", 4, 0.2), ("fp8_e5m2", 4, 0.3)])

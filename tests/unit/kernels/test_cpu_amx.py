@@ -81,3 +81,55 @@ def test_an_amx_copy_that_does_not_fit_keeps_the_float32_product(monkeypatch):
     other = bfloat16_weight(32, 64, gen)
     assert cpu_kernels.amx_weight(other) is not None
     assert cpu_kernels._packed_bytes == held + 32 * 64 * 2
+
+
+def held_weight(values: torch.Tensor, slices: list[tuple[int, int]]) -> torch.nn.Parameter:
+    """A parameter held as its bfloat16 copy (``hold_as_bfloat16``), its rows loaded slice by slice in the
+    given order, as the loaders fill one (``BFloat16Staging``)."""
+    weight = torch.nn.Parameter(torch.empty(values.shape))
+    cpu_kernels.hold_as_bfloat16(weight)
+    staging = cpu_kernels.BFloat16Staging(weight)
+    for start, count in slices:
+        staging.rows(start, count).copy_(values[start : start + count])
+    assert staging.values is None  # packed and freed once every row arrived
+    return weight
+
+
+@pytest.mark.skipif(not cpu_kernels.bfloat16_holding(), reason="the library cannot unpack a held weight")
+@pytest.mark.parametrize("m,n,k", [(1, 640, 384), (17, 384, 1024), (33, 100, 37), (2, 5, 3)])
+def test_a_weight_held_as_its_bfloat16_copy_computes_as_a_marked_one(m, n, k):
+    """Held: 2 bytes a value (the padded copy) instead of a float32 matrix beside it; the same products, bit
+    for bit, as the marked float32 weight's; its values (rounded to nearest even as they loaded, whatever the
+    order of the slices) and its rows as an embedding table come back exactly."""
+    gen = torch.Generator().manual_seed(n + k)
+    values, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    rounded = values.bfloat16().float()
+    held = held_weight(values, [(n // 2, n - n // 2), (0, n // 2)] if n > 1 else [(0, n)])
+    assert held.dtype == torch.bfloat16 and held.dim() == 1 and cpu_kernels.projection_shape(held) == (n, k)
+    assert held.numel() * held.element_size() == 2 * (-(-n // 32) * 32) * (-(-k // 32) * 32)
+    marked = bfloat16_weight(n, k, gen)
+    marked.copy_(rounded)
+    out = cpu_kernels.linear(x, held)
+    assert cpu_kernels.amx_weight(held) is held
+    assert out is not None and torch.equal(out, cpu_kernels.linear(x, marked))
+    assert torch.equal(cpu_kernels.unpacked(held), rounded)
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+    rows = cpu_kernels.gather_rows(held, ids)
+    assert rows is not None and torch.equal(rows, rounded[ids])
+    with pytest.raises(IndexError):
+        cpu_kernels.gather_rows(held, torch.tensor([0, n]))
+    with pytest.raises(ValueError, match="float32 CPU rows"):
+        cpu_kernels.linear(x.double(), held)
+
+
+@pytest.mark.skipif(not cpu_kernels.bfloat16_holding(), reason="the library cannot unpack a held weight")
+def test_a_held_weight_falls_back_on_its_float32_values(monkeypatch):
+    """Where the bfloat16 product cannot run (no memory for the rounded rows), a held weight multiplies as its
+    float32 values: there is no float32 matrix to fall back on, so they are unpacked."""
+    gen = torch.Generator().manual_seed(11)
+    values, x = torch.randn(48, 96, generator=gen).bfloat16().float(), torch.randn(5, 96, generator=gen)
+    held = held_weight(values, [(0, 48)])
+    lib = cpu_kernels.load()
+    monkeypatch.setattr(lib, "linear_amx", lambda *args: -1)
+    out = cpu_kernels.linear(x, held)
+    assert out is not None and (out.double() - x.double() @ values.double().T).abs().max().item() < 1e-4
