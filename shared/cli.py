@@ -46,8 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     dtypes = {
         "--dtype": "weights and KV cache dtype; auto: bfloat16 on CUDA; on CPU float32 (its native kernels), "
         "but bfloat16 for a bfloat16 checkpoint over 1B parameters. On CPU a bfloat16 checkpoint in float32, "
-        "and bfloat16 up to 1B parameters, hold bfloat16 weights as float32 values: the native kernels run "
-        "them, the projections on AMX or AVX512-BF16 where the CPU has them (inputs rounded to bfloat16)",
+        "and bfloat16, run bfloat16 weights on the native float32 kernels: where the CPU has AVX512-BF16 or AMX "
+        "at any size, the projections on its bfloat16 products (inputs rounded to bfloat16) and the weights "
+        "held as bfloat16 (2 bytes a value); without them up to 1B parameters, as float32 values (above: "
+        "torch's bfloat16 operators)",
         "--kv-cache-dtype": "KV cache dtype; auto: the model's, but bfloat16 where --dtype auto runs a bfloat16 "
         "checkpoint in float32 on the CPU (half the bytes per token, the checkpoint's own precision); on CUDA "
         "the model's. fp8 (fp8_e4m3) and fp8_e5m2, on the CPU: a quarter of float32's bytes per token (four "

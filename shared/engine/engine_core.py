@@ -76,12 +76,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# ``auto`` on the CPU runs a bfloat16 checkpoint in float32 up to this many parameters (4 GiB of float32
-# weights per worker, and 2 GiB more of bfloat16 copies where the projections run on AMX or AVX512-BF16;
-# ``--dtype bfloat16`` likewise): the CPU's native kernels (projections, attention, the one-call forward) are
-# float32, and a bfloat16 model there runs on generic torch operators at about half the tokens/s (the 12M
-# Llama on 2 cores: 883 against 1,760 output tok/s offline). Above it, half the memory matters more (every
-# worker process of a cluster holds its own copy).
+# ``auto`` on the CPU runs a bfloat16 checkpoint in float32 up to this many parameters where the CPU has no
+# bfloat16 products (4 GiB of float32 weights per worker; ``--dtype bfloat16`` likewise): the CPU's native
+# kernels (projections, attention, the one-call forward) are float32, and a bfloat16 model there runs on
+# generic torch operators at about half the tokens/s (the 12M Llama on 2 cores: 883 against 1,760 output
+# tok/s offline). Above it, half the memory matters more (every worker process of a cluster holds its own
+# copy). Where the CPU has AVX512-BF16 or AMX the weights are held as bfloat16 (cpu_kernels.hold_as_bfloat16)
+# and there is no limit.
 CPU_FLOAT32_MAX_PARAMETERS = 1 << 30
 
 
