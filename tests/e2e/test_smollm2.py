@@ -59,6 +59,29 @@ def test_greedy_equals_transformers_on_gguf_and_converted_dir(smollm2):
     assert "Paris" in hf_tok.decode(expected[0])
 
 
+def test_bfloat16_on_gguf_and_converted_dir_hold_the_same_weights(smollm2):
+    """``--dtype bfloat16`` on the default model: the GGUF loader fills weights held as their bfloat16 copies in
+    its own order (where the CPU has bfloat16 products), the converted directory in the checkpoint's; the same
+    values either way, so the same greedy tokens, and the README's question still answered."""
+    from shared.engine import LLM, SamplingParams
+    from shared.kernels import cpu_kernels
+
+    gguf_path, model_dir = smollm2
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    runs = []
+    for source in (gguf_path, model_dir):
+        llm = LLM(str(source), dtype="bfloat16", kv_cache_memory=64 << 20)
+        model = llm.engine.model
+        assert (cpu_kernels.held_shape(model.embed_tokens.weight) is not None) == cpu_kernels.bfloat16_holding()
+        prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": c}]),
+                                        add_special_tokens=False) for c in CHATS]  # fmt: skip
+        runs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params)])
+        answer = llm.tokenizer.decode(runs[-1][0])
+        del llm, model
+    assert runs[0] == runs[1]
+    assert "Paris" in answer
+
+
 def _serve(model_dir) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
