@@ -133,14 +133,13 @@ class EngineCore:
         if self.dtype_name != checkpoint.torch_dtype:
             logger.info("dtype %s checkpoint runs in %s (--dtype %s)", checkpoint.torch_dtype, self.dtype_name,
                         config.dtype)  # fmt: skip
-        # A bfloat16 checkpoint that runs in float32 on the CPU, and (up to CPU_FLOAT32_MAX_PARAMETERS) any
-        # checkpoint run at --dtype bfloat16 there: bfloat16 weights held as float32 values, computed by the
-        # float32 kernels, with their projections on bfloat16 products where the CPU has them. A bfloat16
-        # model on torch's generic CPU operators ran the 12M Llama at 950 output tok/s offline, against
-        # 2,840-3,040 so on AVX512-BF16 (Zen 4) and 1,574 for the float32 model.
-        # Where those products run (cpu_kernels.bfloat16_holding), the projections are held as their bfloat16
-        # copies alone (2 bytes a value, as a bfloat16 model; a float32 matrix beside its copy took 6), at any
-        # size: a bfloat16 checkpoint over CPU_FLOAT32_MAX_PARAMETERS runs so too.
+        # A bfloat16 checkpoint that runs in float32 on the CPU, and any checkpoint run at --dtype bfloat16
+        # there: bfloat16 weights computed by the float32 kernels, their projections on bfloat16 products where
+        # the CPU has them (cpu_kernels.bfloat16_holding), held then as their bfloat16 copies alone (2 bytes a
+        # value, as a bfloat16 model; a float32 matrix beside its copy took 6) at any size, and otherwise as
+        # float32 values up to CPU_FLOAT32_MAX_PARAMETERS. A bfloat16 model on torch's generic CPU operators
+        # ran the 12M Llama at 950 output tok/s offline, against 2,840-3,040 so on AVX512-BF16 (Zen 4) and
+        # 1,574 for the float32 model.
         holding = self.device.type == "cpu" and cpu_kernels.bfloat16_holding()
         bfloat16_values = self.device.type == "cpu" and (
             (checkpoint.torch_dtype == "bfloat16" and self.dtype_name == "float32")

@@ -481,7 +481,7 @@ def apply_penalties_(
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:  # [N, D], [T] -> [T, D]
     """``table[ids]`` (an embedding lookup) on the calling thread, also from a table held as its bfloat16
-    copy (a tied LM head: ``hold_as_bfloat16``); None where it does not apply. An id outside the table
+    copy (``hold_as_bfloat16``); None where it does not apply. An id outside the table
     raises IndexError, as torch's lookup does."""
     held = held_shape(table)
     if not ((held is not None or (_f32_rows(table) and table.is_contiguous())) and ids.dim() == 1
@@ -677,9 +677,9 @@ def hold_as_bfloat16(weight: torch.Tensor) -> None:
 def unpacked(weight: torch.Tensor) -> torch.Tensor:
     """The float32 [N, K] values of a weight held as its bfloat16 copy (a new tensor: for the rare caller that
     cannot read the copy)."""
-    n, k = projection_shape(weight)
-    lib = load()
-    assert lib is not None and held_shape(weight) is not None
+    held, lib = held_shape(weight), load()
+    assert lib is not None and held is not None
+    n, k = held
     values = torch.empty(n, k, dtype=torch.float32)
     lib.linear_amx_unpack(weight.data_ptr(), n, k, values.data_ptr())
     return values
@@ -732,7 +732,7 @@ def amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
     and kept on the tensor (made again once it is written in place); None where AMX does not apply, or where
     the copy would not fit in ``PACK_MEMORY_SHARE`` (as for ``packed_weight``). A weight held as its copy
     (``hold_as_bfloat16``) is its own."""
-    if hasattr(weight, HELD_ATTR):
+    if held_shape(weight) is not None:
         return weight
     if not getattr(weight, BF16_ATTR, False) or not amx():
         return None
@@ -779,15 +779,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     lib = load()
     assert lib is not None
     tiles, packed = kernel_copies(weight)
-    w = weight
     if tiles is not None:
         status = lib.linear_amx(rows.data_ptr(), rows.stride(0), tiles.data_ptr(), out.data_ptr(), n,
                                 rows.shape[0], n, k)  # fmt: skip
         if status == 0:
-            return out  # else (no memory for the rounded rows) the weight's float32 values, as the one-call
-        if held is not None:  # forward does
-            w = unpacked(weight)
-    product, w = (lib.linear_f32, w) if packed is None else (lib.linear_f32_packed, packed)
+            return out
+    # no copy, or no memory for the rounded rows: the weight's float32 values, as the one-call forward does
+    product, w = (lib.linear_f32_packed, packed) if packed is not None else (lib.linear_f32, weight)
+    if held is not None:
+        w = unpacked(weight)
     product(rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k)
     return out
 

@@ -107,8 +107,8 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` left uninitialised, as ``Linear``; its table may be held as its bfloat16 copy (a tied
-    LM head, ``cpu_kernels.hold_as_bfloat16``)."""
+    """``nn.Embedding`` left uninitialised, as ``Linear``; its table may be held as its bfloat16 copy
+    (``cpu_kernels.hold_as_bfloat16``)."""
 
     def reset_parameters(self) -> None:
         pass

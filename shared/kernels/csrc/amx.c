@@ -95,8 +95,8 @@ void linear_amx_unpack(const uint16_t *packed, int n, int k, float *w) {
     for (int64_t col = 0; col < n; col++) unpack_column(packed, tiles_k, col, k, w + col * k);
 }
 
-/* out[i] = w[ids[i]] (rows of k values) from w's packed copy: the embedding lookup of a tied LM head held only
- * as its copy. Returns the first i whose id is outside [0, n), or -1 (as gather_rows_f32). */
+/* out[i] = w[ids[i]] (rows of k values) from w's packed copy: the embedding lookup of a table held only as its
+ * copy. Returns the first i whose id is outside [0, n), or -1 (as gather_rows_f32). */
 int64_t linear_amx_rows(const uint16_t *packed, int n, int k, const int64_t *ids, int64_t count, float *out) {
     const int64_t tiles_k = round_up(k, TILE_K) / TILE_K;
     for (int64_t i = 0; i < count; i++) {
