@@ -11,7 +11,10 @@ that carry a choice, with or without text). With ``--worker-metrics URL``
 (repeatable), KV transfer bytes and seconds per request are read from the
 workers' Prometheus endpoints before and after the run, and for the
 shared-prefix workload the fleet's prefix-cache hit rate against the ideal
-(every group's prefix computed once).
+(every group's prefix computed once). Prompt tokens the server answered from
+its prefix cache (``prefix_cache_hit_tokens``) are read from its own
+``/metrics`` (vLLM's) or the workers'; for independent prompts any hit is
+warned of, as it means a seed repeated against a warm server.
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ def _scrape(urls: list[str]) -> dict[str, float]:
     totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0, "prefix_hits": 0.0}
     names = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_sum": "seconds",
              "cleave_kv_transfers_total": "transfers",
-             "cleave_prefix_cache_hits_total": "prefix_hits"}  # fmt: skip
+             # Prompt tokens answered from a prefix cache: Cleave's workers, and vLLM's server.
+             "cleave_prefix_cache_hits_total": "prefix_hits",
+             "vllm:prefix_cache_hits_total": "prefix_hits"}  # fmt: skip
     for url in urls:
         with urllib.request.urlopen(url, timeout=5) as resp:
             for line in resp.read().decode().splitlines():
@@ -95,6 +100,18 @@ def _scrape(urls: list[str]) -> dict[str, float]:
                 if name in names:
                     totals[names[name]] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def _server_hits(base_url: str) -> float | None:
+    """Prefix-cache hits (tokens) on the server's own /metrics, or None where it exports none."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except Exception:  # a server without /metrics (or not in Prometheus' format) is measured all the same
+        return None
+    if "prefix_cache_hits_total" not in text:
+        return None
+    return _scrape([base_url + "/metrics"])["prefix_hits"]
 
 
 def _summary(values: list[float], prefix: str) -> dict[str, float]:
@@ -168,7 +185,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--long-prompt-len", type=int, nargs=2, default=(1024, 2048), metavar=("MIN", "MAX"))
     parser.add_argument("--vocab-size", type=int, default=4000, help="token ids are drawn below this")
     parser.add_argument("--avoid-token", type=int, action="append", default=[], help="token id never to put in prompts")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="workload seed; a server with a prefix cache answers a seed it has seen from that cache, "
+                        "so give each run against one server its own seed (hits are reported and warned of)")  # fmt: skip
     parser.add_argument("--worker-metrics", action="append", default=[], help="a worker's /metrics URL (repeatable)")
     parser.add_argument("--label", default="", help="free text copied into the JSON")
     parser.add_argument("--prefix-groups", type=int, default=0,
@@ -193,10 +212,27 @@ def main(argv: list[str]) -> int:
                                  args.seed, frozenset(args.avoid_token), args.long_prompt_fraction,
                                  tuple(args.long_prompt_len))  # fmt: skip
     before = _scrape(args.worker_metrics)
+    server_before = _server_hits(args.base_url)
     report = asyncio.run(run(args, workload))
+    after = None
     if args.worker_metrics:
         time.sleep(1.5)  # workers export their counters about once a second
         after = _scrape(args.worker_metrics)
+    # Hits the run got from the caches, counted where they are exported: the server's own /metrics (vLLM's),
+    # else the workers'. Independent prompts never share a block, so a hit there means a repeated seed against
+    # a warm server: the run then measures the server's prefix cache, not its prefill.
+    server_after = _server_hits(args.base_url) if server_before is not None else None
+    hit_tokens = None
+    if server_before is not None and server_after is not None:
+        hit_tokens = server_after - server_before
+    elif after is not None:
+        hit_tokens = after["prefix_hits"] - before["prefix_hits"]
+    report["prefix_cache_hit_tokens"] = hit_tokens
+    if hit_tokens and args.prefix_groups == 0:
+        print(f"cleave bench serve: the server answered {hit_tokens:.0f} of {report['total_input_tokens']} prompt "
+              "tokens from its prefix cache (these prompts share nothing: was this --seed run against it before?); "
+              "the figures measure its cache, not its prefill", file=sys.stderr)  # fmt: skip
+    if after is not None:
         if args.prefix_groups > 0:
             # Hit rate over the prompt blocks a prefix cache could ever serve (full blocks before the last token).
             total_blocks = sum((len(r.prompt_token_ids) - 1) // args.block_size for r in workload)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -82,8 +83,28 @@ def _assert_cpu_split(children: list[int]) -> None:
     assert seen == set(expected)
 
 
+def _assert_bench_reports_hits(port: int, worker_urls: list[str], capsys) -> None:
+    """``cleave bench serve`` counts the prompt tokens a run got from the workers' prefix caches, and warns when
+    independent prompts hit (a seed run before against the same server)."""
+    from shared.bench.serve import main as bench_serve
+
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "3", "--prompt-len", "40", "48",
+            "--output-len", "2", "2", "--long-prompt-fraction", "0", "--vocab-size", "500", "--seed", "5",
+            *(arg for url in worker_urls for arg in ("--worker-metrics", url))]  # fmt: skip
+    reports = []
+    for _ in range(2):
+        assert bench_serve(argv) == 0
+        out, err = capsys.readouterr()
+        reports.append((json.loads(out), err))
+    (first, first_err), (second, second_err) = reports
+    assert first["prefix_cache_hit_tokens"] == 0 and "prefix cache" not in first_err
+    # The same prompts again: their full blocks (two of 16 tokens each, at least) come from the cache.
+    assert second["prefix_cache_hit_tokens"] >= 3 * 32, second
+    assert "from its prefix cache" in second_err and "--seed" in second_err
+
+
 @pytest.mark.parametrize("sig,redis", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
-def test_serve_answers_and_stops_all_children(checkpoint_factory, sig, redis):
+def test_serve_answers_and_stops_all_children(checkpoint_factory, sig, redis, capsys):
     if redis and shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (make test installs it)")
     model_dir = checkpoint_factory("llama")
@@ -121,6 +142,8 @@ def test_serve_answers_and_stops_all_children(checkpoint_factory, sig, redis):
         for url in urls:
             with urllib.request.urlopen(url, timeout=10) as resp:
                 assert b"cleave_" in resp.read()
+        if sig == signal.SIGTERM and not redis:
+            _assert_bench_reports_hits(port, urls[:2], capsys)
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10
