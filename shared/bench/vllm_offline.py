@@ -40,6 +40,10 @@ def main(spec_path: str) -> int:
         for r in spec["requests"]
     ]
     llm.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=2, detokenize=False)], use_tqdm=False)
+    for round_ in spec.get("warmup_rounds", []):  # untimed, other prompts (cleave bench throughput --warmup-rounds)
+        llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in round_],
+                     [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+                      for r in round_], use_tqdm=False)  # fmt: skip
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
