@@ -26,7 +26,7 @@ from pathlib import Path
 
 from shared import flags
 from shared.bench.vllm_offline import output_digest
-from shared.bench.workload import make_workload
+from shared.bench.workload import BenchRequest, make_workload
 from shared.cli import add_engine_args, engine_config_from_args
 from shared.models.default_model import resolve_model
 from shared.models.gguf_file import is_gguf_path
@@ -114,6 +114,7 @@ def run_cleave(args, workload) -> dict:
                      [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False)
                       for r in round_], use_tqdm=False)  # fmt: skip
     utilization.clear()
+    preempted_before = engine.stats().num_preemptions
     start = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=args.progress)
     elapsed = time.perf_counter() - start
@@ -124,21 +125,27 @@ def run_cleave(args, workload) -> dict:
         "output_tokens": sum(map(len, token_ids)),
         "output_digest": output_digest(token_ids),
         "kv_slot_utilization": sum(utilization) / max(len(utilization), 1),
-        "num_preemptions": stats.num_preemptions,
+        "num_preemptions": stats.num_preemptions - preempted_before,
         "kv_blocks": engine.num_blocks,
     }
 
 
-def warmup_workloads(args) -> list[list]:
-    """``--warmup-rounds`` workloads of the timed one's shape, each of its own prompts (other seeds: nothing
-    they leave in a prefix cache serves the timed run)."""
+def bench_workload(args, seed: int) -> list[BenchRequest]:
+    """The requests of one run: ``--num-prompts`` random prompts below the model's vocabulary (never one of its
+    special tokens), ``--prompt-len`` and ``--output-len`` long."""
     from shared.models.config import load_model_config
 
     model_config = load_model_config(args.model)
     specials = [*model_config.eos_token_ids, model_config.bos_token_id]
     avoid = frozenset(t for t in specials if t is not None)
-    return [make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), model_config.vocab_size,
-                          args.seed + 1000 * (i + 1), avoid) for i in range(args.warmup_rounds)]  # fmt: skip
+    return make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), model_config.vocab_size,
+                         seed, avoid)  # fmt: skip
+
+
+def warmup_workloads(args) -> list[list[BenchRequest]]:
+    """``--warmup-rounds`` workloads of the timed one's shape, each of its own prompts (other seeds: nothing
+    they leave in a prefix cache serves the timed run)."""
+    return [bench_workload(args, args.seed + 1000 * (i + 1)) for i in range(args.warmup_rounds)]
 
 
 def _load_hf(args):
@@ -292,17 +299,11 @@ def main(argv: list[str]) -> int:
                         help="vllm backend: seconds to allow (its first start compiles the model)")  # fmt: skip
     args = flags.parse_args(parser, argv)
 
-    from shared.models.config import load_model_config
-
-    model_config = load_model_config(args.model)
-    specials = [*model_config.eos_token_ids, model_config.bos_token_id]
-    avoid = frozenset(t for t in specials if t is not None)
-    workload = make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len),
-                             model_config.vocab_size, args.seed, avoid)  # fmt: skip
     if args.warmup_rounds < 0:
         raise SystemExit("--warmup-rounds: a count, 0 or more")
     if args.warmup_rounds and args.backend not in ("cleave", "vllm"):
         raise SystemExit("--warmup-rounds: the cleave and vllm backends only")
+    workload = bench_workload(args, args.seed)
     runner = {"cleave": run_cleave, "hf": run_hf, "hf-cb": run_hf_cb, "vllm": run_vllm}[args.backend]
     result = runner(args, workload)
     elapsed = result.pop("elapsed_s")
