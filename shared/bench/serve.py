@@ -86,32 +86,40 @@ async def one_request(
     return result
 
 
-def _scrape(urls: list[str]) -> dict[str, float]:
-    totals = {"bytes": 0.0, "seconds": 0.0, "transfers": 0.0, "prefix_hits": 0.0}
-    names = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_sum": "seconds",
+_COUNTERS = {"cleave_kv_transfer_bytes_total": "bytes", "cleave_kv_transfer_seconds_sum": "seconds",
              "cleave_kv_transfers_total": "transfers",
              # Prompt tokens answered from a prefix cache: Cleave's workers, and vLLM's server.
              "cleave_prefix_cache_hits_total": "prefix_hits",
              "vllm:prefix_cache_hits_total": "prefix_hits"}  # fmt: skip
-    for url in urls:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            for line in resp.read().decode().splitlines():
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                if name in names:
-                    totals[names[name]] += float(line.rsplit(" ", 1)[1])
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def _counters(texts: list[str]) -> dict[str, float]:
+    """The _COUNTERS summed over Prometheus exposition texts."""
+    totals = dict.fromkeys(_COUNTERS.values(), 0.0)
+    for text in texts:
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _COUNTERS:
+                totals[_COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def _scrape(urls: list[str]) -> dict[str, float]:
+    return _counters([_fetch(url) for url in urls])
 
 
 def _server_hits(base_url: str) -> float | None:
     """Prefix-cache hits (tokens) on the server's own /metrics, or None where it exports none."""
     try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
+        text = _fetch(base_url + "/metrics")
     except Exception:  # a server without /metrics (or not in Prometheus' format) is measured all the same
         return None
-    if "prefix_cache_hits_total" not in text:
-        return None
-    return _scrape([base_url + "/metrics"])["prefix_hits"]
+    return _counters([text])["prefix_hits"] if "prefix_cache_hits_total" in text else None
 
 
 def _summary(values: list[float], prefix: str) -> dict[str, float]:

@@ -103,16 +103,16 @@ def run_cleave(args, workload) -> dict:
         return step()
 
     engine.step = measured_step
-    # Token ids only, like the transformers baselines.
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False) for r in workload
-    ]
+
+    def greedy(requests: list[BenchRequest]) -> list[SamplingParams]:  # token ids only, like the transformers baselines
+        return [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False)
+                for r in requests]  # fmt: skip
+
+    params = greedy(workload)
     warmup = SamplingParams(temperature=0.0, max_tokens=2, detokenize=False)
     llm.generate([workload[0].prompt_token_ids], [warmup], use_tqdm=False)  # builds the CPU kernels once
     for round_ in warmup_workloads(args):
-        llm.generate([r.prompt_token_ids for r in round_],
-                     [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True, detokenize=False)
-                      for r in round_], use_tqdm=False)  # fmt: skip
+        llm.generate([r.prompt_token_ids for r in round_], greedy(round_), use_tqdm=False)
     utilization.clear()
     preempted_before = engine.stats().num_preemptions
     start = time.perf_counter()
@@ -223,6 +223,10 @@ def _vllm_env(args) -> dict[str, str]:
     return env
 
 
+def _spec_requests(requests: list[BenchRequest]) -> list[dict]:
+    return [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in requests]
+
+
 def run_vllm(args, workload) -> dict:
     """The same workload on vLLM, in a child process of ``--vllm-python`` (greedy, EOS ignored)."""
     from shared.config import default_step_tokens
@@ -247,9 +251,8 @@ def run_vllm(args, workload) -> dict:
         "enable_prefix_caching": not args.no_prefix_caching,
         "max_model_len": int(args.max_model_len) if args.max_model_len else None,
         "kv_cache_dtype": kv_cache_dtype,
-        "requests": [{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload],
-        "warmup_rounds": [[{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in round_]
-                          for round_ in warmup_workloads(args)],
+        "requests": _spec_requests(workload),
+        "warmup_rounds": [_spec_requests(round_) for round_ in warmup_workloads(args)],
     }  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)

@@ -34,16 +34,16 @@ def main(spec_path: str) -> int:
         max_model_len=spec["max_model_len"], kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         skip_tokenizer_init=True, seed=0,
     )  # fmt: skip
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in spec["requests"]]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
-        for r in spec["requests"]
-    ]
+
+    def inputs(requests: list[dict]) -> tuple[list, list]:  # greedy, EOS ignored
+        return ([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests],
+                [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+                 for r in requests])  # fmt: skip
+
+    prompts, params = inputs(spec["requests"])
     llm.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=2, detokenize=False)], use_tqdm=False)
     for round_ in spec.get("warmup_rounds", []):  # untimed, other prompts (cleave bench throughput --warmup-rounds)
-        llm.generate([TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in round_],
-                     [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
-                      for r in round_], use_tqdm=False)  # fmt: skip
+        llm.generate(*inputs(round_), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
