@@ -130,22 +130,24 @@ def run_cleave(args, workload) -> dict:
     }
 
 
-def bench_workload(args, seed: int) -> list[BenchRequest]:
-    """The requests of one run: ``--num-prompts`` random prompts below the model's vocabulary (never one of its
-    special tokens), ``--prompt-len`` and ``--output-len`` long."""
+def bench_workloads(args, seeds: list[int]) -> list[list[BenchRequest]]:
+    """The requests of one run per seed: ``--num-prompts`` random prompts below the model's vocabulary (never one
+    of its special tokens), ``--prompt-len`` and ``--output-len`` long. The model's config is read once."""
+    if not seeds:
+        return []
     from shared.models.config import load_model_config
 
     model_config = load_model_config(args.model)
     specials = [*model_config.eos_token_ids, model_config.bos_token_id]
     avoid = frozenset(t for t in specials if t is not None)
-    return make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), model_config.vocab_size,
-                         seed, avoid)  # fmt: skip
+    return [make_workload(args.num_prompts, tuple(args.prompt_len), tuple(args.output_len), model_config.vocab_size,
+                          seed, avoid) for seed in seeds]  # fmt: skip
 
 
 def warmup_workloads(args) -> list[list[BenchRequest]]:
     """``--warmup-rounds`` workloads of the timed one's shape, each of its own prompts (other seeds: nothing
     they leave in a prefix cache serves the timed run)."""
-    return [bench_workload(args, args.seed + 1000 * (i + 1)) for i in range(args.warmup_rounds)]
+    return bench_workloads(args, [args.seed + 1000 * (i + 1) for i in range(args.warmup_rounds)])
 
 
 def _load_hf(args):
@@ -306,7 +308,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit("--warmup-rounds: a count, 0 or more")
     if args.warmup_rounds and args.backend not in ("cleave", "vllm"):
         raise SystemExit("--warmup-rounds: the cleave and vllm backends only")
-    workload = bench_workload(args, args.seed)
+    (workload,) = bench_workloads(args, [args.seed])
     runner = {"cleave": run_cleave, "hf": run_hf, "hf-cb": run_hf_cb, "vllm": run_vllm}[args.backend]
     result = runner(args, workload)
     elapsed = result.pop("elapsed_s")
